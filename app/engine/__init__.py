@@ -1,0 +1,1 @@
+"""The engine: model definitions, conversion, quantization, compilation and the runtime."""
