@@ -1,0 +1,191 @@
+"""The sampling and stopping parameters of one reply, validated up front with clear errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import numbers
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from localchat.errors import GenerationError
+
+# OpenAI's documented ranges for the additive penalties and the logit bias.
+PENALTY_RANGE = (-2.0, 2.0)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """How to pick tokens and when to stop.
+
+    temperature: 0 is greedy (argmax); otherwise logits are divided by it.
+    top_k: keep the k most likely tokens (0 = off).
+    top_p: keep the smallest set of most likely tokens whose mass reaches top_p (1 = off).
+    min_p: keep tokens whose probability is at least min_p times the top one's (0 = off).
+    repetition_penalty: for every token seen in the prompt or the reply, a positive logit is
+        divided by it and a negative one multiplied by it (1 = off), as in HF and llama.cpp.
+    presence_penalty / frequency_penalty: OpenAI semantics over the reply's tokens:
+        logit -= presence * (count > 0) + frequency * count.
+    logit_bias: token id -> value added to its logit (-100..100, or -inf to ban a token).
+    seed: seeds this reply's own random generator; None draws fresh entropy.
+    max_tokens: most tokens in the reply; None = until a stop or the context window ends.
+    stop: strings that end the reply; they are never emitted, the text before them is kept.
+    stop_token_ids: extra token ids that end the reply (on top of the model's own).
+    """
+
+    temperature: float = 0.7
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    seed: int | None = None
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        # Accept lists for the tuple fields and any mapping for logit_bias, store plain types.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(
+            self, "stop_token_ids", tuple(_as_token_key(t) for t in self.stop_token_ids)
+        )
+        object.__setattr__(
+            self, "logit_bias", {_as_token_key(k): v for k, v in dict(self.logit_bias).items()}
+        )
+
+    @property
+    def greedy(self) -> bool:
+        """True when the next token is always the argmax (temperature 0)."""
+        return self.temperature == 0
+
+    def validate(self, vocab_size: int | None = None) -> GenerationConfig:
+        """Raise GenerationError naming the first out-of-range value; return self when valid.
+
+        With `vocab_size`, token ids in logit_bias and stop_token_ids are checked against it.
+        """
+        _check_number("temperature", self.temperature, lo=0.0)
+        _check_int("top_k", self.top_k, lo=0)
+        _check_number("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise GenerationError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_number("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise GenerationError(f"min_p must be in [0, 1], got {self.min_p}")
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if not self.repetition_penalty > 0.0:
+            raise GenerationError(
+                f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_number(name, value)
+            if not PENALTY_RANGE[0] <= value <= PENALTY_RANGE[1]:
+                raise GenerationError(
+                    f"{name} must be in [{PENALTY_RANGE[0]}, {PENALTY_RANGE[1]}], got {value}"
+                )
+        for token_id, bias in self.logit_bias.items():
+            _check_token_id("logit_bias", token_id, vocab_size)
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias):
+                raise GenerationError(f"logit_bias[{token_id}] must be a number, got {bias!r}")
+            if bias != -math.inf and not LOGIT_BIAS_RANGE[0] <= bias <= LOGIT_BIAS_RANGE[1]:
+                raise GenerationError(
+                    f"logit_bias[{token_id}] must be in [{LOGIT_BIAS_RANGE[0]}, "
+                    f"{LOGIT_BIAS_RANGE[1]}] (or -inf to ban the token), got {bias}"
+                )
+        if self.seed is not None:
+            _check_int("seed", self.seed, lo=0)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, lo=1)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise GenerationError(f"stop strings must be non-empty strings, got {s!r}")
+        for token_id in self.stop_token_ids:
+            _check_token_id("stop_token_ids", token_id, vocab_size)
+        return self
+
+    def replace(self, **changes: Any) -> GenerationConfig:
+        """A copy with some fields changed (unknown names are an error), validated."""
+        names = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - names)
+        if unknown:
+            raise GenerationError(
+                f"unknown generation parameter(s) {', '.join(unknown)}; known: "
+                f"{', '.join(sorted(names))}"
+            )
+        return dataclasses.replace(self, **changes).validate()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-friendly fields."""
+        out = dataclasses.asdict(self)
+        out["stop"] = list(self.stop)
+        out["stop_token_ids"] = list(self.stop_token_ids)
+        out["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()}
+        return out
+
+    @classmethod
+    def from_model_defaults(cls, path: Path, **overrides: Any) -> GenerationConfig:
+        """Defaults from an HF `generation_config.json` (when it exists), then `overrides`.
+
+        Reads temperature, top_k, top_p, min_p, repetition_penalty and `do_sample: false`
+        (greedy); other keys there (lengths, beams) are not sampling parameters and are ignored.
+        """
+        values: dict[str, Any] = {}
+        path = Path(path)
+        if path.is_dir():
+            path = path / "generation_config.json"
+        if path.exists():
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise GenerationError(f"{path}: not valid JSON ({exc})") from None
+            for key in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"):
+                if data.get(key) is not None:
+                    values[key] = data[key]
+            if data.get("do_sample") is False:
+                values["temperature"] = 0.0
+        values.update(overrides)
+        return cls().replace(**values)
+
+
+def _as_token_key(key: Any) -> Any:
+    """JSON gives logit_bias keys as strings and numpy as numpy integers; make them ints."""
+    if isinstance(key, str) and key.strip().isdigit():
+        return int(key)
+    if isinstance(key, numbers.Integral) and not isinstance(key, bool):
+        return int(key)
+    return key
+
+
+def _check_number(name: str, value: Any, lo: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise GenerationError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise GenerationError(f"{name} must be finite, got {value}")
+    if lo is not None and value < lo:
+        raise GenerationError(f"{name} must be >= {lo:g}, got {value}")
+
+
+def _check_int(name: str, value: Any, lo: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise GenerationError(f"{name} must be an integer, got {value!r}")
+    if value < lo:
+        raise GenerationError(f"{name} must be >= {lo}, got {value}")
+
+
+def _check_token_id(name: str, token_id: Any, vocab_size: int | None) -> None:
+    if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+        raise GenerationError(f"{name}: token ids must be non-negative integers, got {token_id!r}")
+    if vocab_size is not None and token_id >= vocab_size:
+        raise GenerationError(
+            f"{name}: token id {token_id} is outside the vocabulary (size {vocab_size})"
+        )

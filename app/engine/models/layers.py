@@ -1,0 +1,137 @@
+"""Building blocks shared by the architectures: quantization-aware Linear and Embedding.
+
+A Linear holds its weight as float [out, in] or, in a 4-bit mode, as packed words and scales
+(see `localchat.engine.quantization`). On the CPU its product runs in the hand-scheduled kernels
+of `kernels_cpu`; on GPUs it is expressed as dequantize + matmul, which FuseOps/FuseTIR merge into
+one kernel that dlight then schedules.
+"""
+
+from __future__ import annotations
+
+from tvm import te, tirx
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import op
+
+from localchat.engine import kernels_cpu
+from localchat.engine.quantization import GROUP_SIZE, NIBBLES_PER_WORD, QuantMode
+
+
+def _dequant_value(words: te.Tensor, scale: te.Tensor, row, col, dtype: str) -> tirx.PrimExpr:
+    word = words[row, col // NIBBLES_PER_WORD]
+    shift = ((col % NIBBLES_PER_WORD) * 4).astype("uint32")
+    nibble = tirx.bitwise_and(tirx.shift_right(word, shift), tirx.const(15, "uint32"))
+    return (nibble.astype("int32") - 8).astype(dtype) * scale[row, col // GROUP_SIZE]
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b), with W float or 4-bit packed according to the quantization mode."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, mode: QuantMode, target_kind: str
+    ) -> None:
+        self.in_features = in_features
+        self.out_features = out_features
+        self.mode = mode
+        self.target_kind = target_kind
+        if mode.quantized:
+            self.weight = nn.Parameter((out_features, in_features // NIBBLES_PER_WORD), "uint32")
+            self.scale = nn.Parameter((out_features, in_features // GROUP_SIZE), mode.dtype)
+        else:
+            self.weight = nn.Parameter((out_features, in_features), mode.dtype)
+            self.scale = None
+        self.bias = nn.Parameter((out_features,), mode.dtype) if bias else None
+
+    def forward(self, x: nn.Tensor) -> nn.Tensor:
+        return linear(x, self.weight, self.scale, self.bias, self.mode, self.target_kind)
+
+
+def linear(
+    x: nn.Tensor,
+    weight: nn.Tensor,
+    scale: nn.Tensor | None,
+    bias: nn.Tensor | None,
+    mode: QuantMode,
+    target_kind: str,
+) -> nn.Tensor:
+    """x [..., K] times weight [N, K]^T, dispatching on target and quantization."""
+    n = weight.shape[0]
+    k = x.shape[-1]
+    lead = list(x.shape[:-1])
+    if target_kind == "llvm":
+        rows = 1
+        for d in lead:
+            rows = rows * d
+        x2 = op.reshape(x, (rows, k))
+        make = kernels_cpu.linear_q4 if mode.quantized else kernels_cpu.linear_f
+        func = make(int(k), int(n), mode.dtype, bias is not None)
+        args = [x2, weight] + ([scale] if scale is not None else []) + (
+            [bias] if bias is not None else []
+        )
+        out = op.tensor_ir_op(
+            func,
+            "linear_q4" if mode.quantized else "linear",
+            args=args,
+            out=nn.Tensor.placeholder((rows, n), mode.dtype),
+        )
+        return op.reshape(out, lead + [n])
+    if mode.quantized:
+        w = op.tensor_expr_op(
+            lambda words, sc: te.compute(
+                (n, k),
+                lambda i, j: _dequant_value(words, sc, i, j, mode.dtype),
+                name="dequantize",
+            ),
+            "dequantize",
+            args=[weight, scale],
+        )
+    else:
+        w = weight
+    out = op.matmul(x, op.permute_dims(w))
+    if bias is not None:
+        out = out + bias
+    return out
+
+
+class Embedding(nn.Module):
+    """Token embedding table, float or 4-bit packed; can double as a tied LM head."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, mode: QuantMode, target_kind: str):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.mode = mode
+        self.target_kind = target_kind
+        if mode.quantized:
+            self.weight = nn.Parameter((vocab_size, hidden_size // NIBBLES_PER_WORD), "uint32")
+            self.scale = nn.Parameter((vocab_size, hidden_size // GROUP_SIZE), mode.dtype)
+        else:
+            self.weight = nn.Parameter((vocab_size, hidden_size), mode.dtype)
+            self.scale = None
+
+    def forward(self, ids: nn.Tensor) -> nn.Tensor:
+        """ids [n] int32 -> [n, hidden]."""
+        if not self.mode.quantized:
+            return op.take(self.weight, ids, axis=0)
+        hidden, dtype = self.hidden_size, self.mode.dtype
+        return op.tensor_expr_op(
+            lambda words, sc, idx: te.compute(
+                (idx.shape[0], hidden),
+                lambda i, j: _dequant_value(words, sc, idx[i], j, dtype),
+                name="embed",
+            ),
+            "embed",
+            args=[self.weight, self.scale, ids],
+        )
+
+    def lm_head(self, x: nn.Tensor) -> nn.Tensor:
+        """Logits from hidden states with the embedding matrix as the output projection."""
+        return linear(x, self.weight, self.scale, None, self.mode, self.target_kind)
+
+
+def take_last_token(x: nn.Tensor) -> nn.Tensor:
+    """[b, s, h] -> [b, 1, h]: the last position, so only it goes through the LM head."""
+
+    def compute(t: te.Tensor) -> te.Tensor:
+        b, s, h = t.shape
+        return te.compute((b, 1, h), lambda i, _, j: t[i, s - 1, j], name="take_last")
+
+    return op.tensor_expr_op(compute, "take_last", args=[x])

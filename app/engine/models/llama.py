@@ -1,0 +1,312 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2) in `tvm.relax.frontend.nn`.
+
+One definition covers the family: grouped-query attention with any head_dim, optional q/k/v
+bias (Qwen2), tied or separate LM head, RoPE with optional llama3 scaling, SiLU-gated MLP.
+q/k/v and gate/up are fused into one Linear each; attention runs on TVM's paged KV cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from tvm import relax
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import op
+from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
+from tvm.target import Target
+
+from localchat.engine.models.layers import Embedding, Linear, take_last_token
+from localchat.engine.quantization import QuantMode
+from localchat.errors import ModelConfigError, UnsupportedModelError
+
+HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+DEFAULT_PREFILL_CHUNK = 256
+
+
+@dataclass
+class LlamaConfig:
+    """The shape and options of a Llama-family model, as read from an HF config.json."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any]
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    context_window_size: int
+    prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LlamaConfig:
+        return cls(**data)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> LlamaConfig:
+        """Read an HF config.json (old `rope_theta`/`rope_scaling` or new `rope_parameters`)."""
+
+        def need(key: str) -> Any:
+            if key not in hf:
+                raise ModelConfigError(f"config.json has no {key!r}")
+            return hf[key]
+
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only 'silu')")
+        if hf.get("mlp_bias"):
+            raise UnsupportedModelError("mlp_bias=true is not supported")
+        heads = int(need("num_attention_heads"))
+        hidden = int(need("hidden_size"))
+        head_dim = int(hf.get("head_dim") or hidden // heads)
+        rope_theta, rope_scaling = _rope_from_hf(hf)
+        model_type = hf.get("model_type", "llama")
+        qkv_bias = bool(hf.get("attention_bias", False)) or model_type == "qwen2"
+        context = int(hf.get("max_position_embeddings") or 4096)
+        window = hf.get("sliding_window")
+        if window and hf.get("use_sliding_window", model_type == "mistral") and window < context:
+            # Exact for sequences within the window, which is then our whole context.
+            context = int(window)
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_hidden_layers=int(need("num_hidden_layers")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
+            vocab_size=int(need("vocab_size")),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=bool(hf.get("attention_bias", False)) and model_type != "qwen2",
+            context_window_size=context,
+        )
+
+
+def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    params = hf.get("rope_parameters") or {}
+    theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
+    scaling = hf.get("rope_scaling") or params
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind == "default":
+        return float(theta), {}
+    if kind == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        missing = [k for k in keys if k not in scaling]
+        if missing:
+            raise ModelConfigError(f"llama3 rope scaling lacks {', '.join(missing)}")
+        return float(theta), {"rope_type": "llama3", **{k: scaling[k] for k in keys}}
+    raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported")
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, mode: QuantMode, tk: str) -> None:
+        self.num_q = cfg.num_attention_heads
+        self.num_kv = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        qkv_out = (self.num_q + 2 * self.num_kv) * self.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, qkv_out, cfg.qkv_bias, mode, tk)
+        self.o_proj = Linear(self.num_q * self.head_dim, cfg.hidden_size, cfg.o_bias, mode, tk)
+
+    def forward(self, x: nn.Tensor, cache: PagedKVCache, layer_id: int) -> nn.Tensor:
+        b, s, _ = x.shape
+        qkv = op.reshape(self.qkv_proj(x), (b, s, self.num_q + 2 * self.num_kv, self.head_dim))
+        out = cache.attention_with_fused_qkv(
+            layer_id, qkv, self.num_q, sm_scale=self.head_dim**-0.5
+        )
+        return self.o_proj(op.reshape(out, (b, s, self.num_q * self.head_dim)))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig, mode: QuantMode, tk: str) -> None:
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, mode, tk)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, mode, tk)
+
+    def forward(self, x: nn.Tensor) -> nn.Tensor:
+        gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
+        return self.down_proj(op.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig, mode: QuantMode, tk: str) -> None:
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, -1, eps, bias=False, dtype=mode.dtype)
+        self.self_attn = LlamaAttention(cfg, mode, tk)
+        self.post_attention_layernorm = nn.RMSNorm(
+            cfg.hidden_size, -1, eps, bias=False, dtype=mode.dtype
+        )
+        self.mlp = LlamaMLP(cfg, mode, tk)
+
+    def forward(self, x: nn.Tensor, cache: PagedKVCache, layer_id: int) -> nn.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cache, layer_id)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: LlamaConfig, mode: QuantMode, tk: str) -> None:
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, mode, tk)
+        self.layers = nn.ModuleList(
+            [LlamaDecoderLayer(cfg, mode, tk) for _ in range(cfg.num_hidden_layers)]
+        )
+        self.norm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False, dtype=mode.dtype)
+
+    def forward(self, x: nn.Tensor, cache: PagedKVCache) -> nn.Tensor:
+        for layer_id, layer in enumerate(self.layers):
+            x = layer(x, cache, layer_id)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The exported model: embed, (batch_)prefill, (batch_)decode and the KV-cache constructor."""
+
+    def __init__(self, cfg: LlamaConfig, mode: QuantMode, target: Target) -> None:
+        tk = target.kind.name
+        self.cfg = cfg
+        self.mode = mode
+        self.target = target
+        self.model = LlamaModel(cfg, mode, tk)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, mode, tk)
+
+    def _logits(self, h: nn.Tensor) -> nn.Tensor:
+        if self.cfg.tie_word_embeddings:
+            logits = self.model.embed_tokens.lm_head(h)
+        else:
+            logits = self.lm_head(h)
+        return logits.astype("float32") if logits.dtype != "float32" else logits
+
+    def embed(self, input_ids: nn.Tensor) -> nn.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def prefill(self, input_embed: nn.Tensor, paged_kv_cache: PagedKVCache):
+        n, h = input_embed.shape
+        hidden = self.model(op.reshape(input_embed, (1, n, h)), paged_kv_cache)
+        return self._logits(take_last_token(hidden)), paged_kv_cache
+
+    def decode(self, input_embed: nn.Tensor, paged_kv_cache: PagedKVCache):
+        hidden = self.model(op.reshape(input_embed, (1, 1, input_embed.shape[-1])), paged_kv_cache)
+        return self._logits(hidden), paged_kv_cache
+
+    def batch_prefill(
+        self, input_embeds: nn.Tensor, logit_positions: nn.Tensor, paged_kv_cache: PagedKVCache
+    ):
+        n, h = input_embeds.shape
+        hidden = self.model(op.reshape(input_embeds, (1, n, h)), paged_kv_cache)
+        last = op.take(op.reshape(hidden, (n, h)), logit_positions, axis=0)
+        return self._logits(last), paged_kv_cache
+
+    def batch_decode(self, input_embeds: nn.Tensor, paged_kv_cache: PagedKVCache):
+        b, h = input_embeds.shape
+        hidden = self.model(op.reshape(input_embeds, (b, 1, h)), paged_kv_cache)
+        return self._logits(op.reshape(hidden, (b, h))), paged_kv_cache
+
+    def create_paged_kv_cache(
+        self,
+        max_batch_size: int,
+        max_total_seq_len: int,
+        prefill_chunk_size: int,
+        page_size: int,
+        support_sliding_window: int,
+    ) -> PagedKVCache:
+        cfg = self.cfg
+        return TIRPagedKVCache(
+            attn_kind="mha",
+            max_batch_size=max_batch_size,
+            max_total_seq_len=max_total_seq_len,
+            prefill_chunk_size=prefill_chunk_size,
+            page_size=page_size,
+            support_sliding_window=support_sliding_window,
+            layer_partition=relax.ShapeExpr([0, cfg.num_hidden_layers]),
+            num_hidden_layers=cfg.num_hidden_layers,
+            num_attention_heads=cfg.num_attention_heads,
+            num_key_value_heads=cfg.num_key_value_heads,
+            qk_head_dim=cfg.head_dim,
+            v_head_dim=cfg.head_dim,
+            mla_original_qk_head_dim=0,
+            mla_original_v_head_dim=0,
+            rope_mode=RopeMode.NORMAL,
+            rope_scale=1,
+            rope_theta=cfg.rope_theta,
+            rope_scaling=cfg.rope_scaling,
+            rope_ext_factors=relax.prim_value(0),
+            rotary_dim=cfg.head_dim,
+            enable_disaggregation=False,
+            dtype=self.mode.dtype,
+            target=self.target,
+        )
+
+    def get_default_spec(self) -> nn.spec.ModuleSpec:
+        h, dt = self.cfg.hidden_size, self.mode.dtype
+        packed = {"$": {"param_mode": "packed", "effect_mode": "none"}}
+        cache = nn.spec.Object(object_type=PagedKVCache)
+        spec = {
+            "embed": {"input_ids": nn.spec.Tensor(["seq_len"], "int32"), **packed},
+            "prefill": {
+                "input_embed": nn.spec.Tensor(["seq_len", h], dt),
+                "paged_kv_cache": cache,
+                **packed,
+            },
+            "decode": {"input_embed": nn.spec.Tensor([1, h], dt), "paged_kv_cache": cache, **packed},
+            "batch_prefill": {
+                "input_embeds": nn.spec.Tensor(["seq_len", h], dt),
+                "logit_positions": nn.spec.Tensor(["batch_size"], "int32"),
+                "paged_kv_cache": cache,
+                **packed,
+            },
+            "batch_decode": {
+                "input_embeds": nn.spec.Tensor(["batch_size", h], dt),
+                "paged_kv_cache": cache,
+                **packed,
+            },
+            "create_paged_kv_cache": {
+                "max_batch_size": int,
+                "max_total_seq_len": int,
+                "prefill_chunk_size": int,
+                "page_size": int,
+                "support_sliding_window": int,
+                "$": {"param_mode": "none", "effect_mode": "none"},
+            },
+        }
+        return nn.spec.ModuleSpec.from_raw(spec, self)
+
+
+def hf_params(
+    cfg: LlamaConfig, get: Callable[[str], np.ndarray], names: set[str]
+) -> Iterator[tuple[str, np.ndarray]]:
+    """Our float parameters, by our names, from HF tensors fetched by `get(hf_name)`."""
+    yield "model.embed_tokens.weight", get("model.embed_tokens.weight")
+    for i in range(cfg.num_hidden_layers):
+        hf = f"model.layers.{i}."
+        ours = f"model.layers.{i}."
+        proj = [hf + f"self_attn.{p}_proj" for p in "qkv"]
+        yield ours + "self_attn.qkv_proj.weight", np.concatenate([get(p + ".weight") for p in proj])
+        if cfg.qkv_bias:
+            yield ours + "self_attn.qkv_proj.bias", np.concatenate([get(p + ".bias") for p in proj])
+        yield ours + "self_attn.o_proj.weight", get(hf + "self_attn.o_proj.weight")
+        if cfg.o_bias:
+            yield ours + "self_attn.o_proj.bias", get(hf + "self_attn.o_proj.bias")
+        gate_up = [get(hf + "mlp.gate_proj.weight"), get(hf + "mlp.up_proj.weight")]
+        yield ours + "mlp.gate_up_proj.weight", np.concatenate(gate_up)
+        yield ours + "mlp.down_proj.weight", get(hf + "mlp.down_proj.weight")
+        yield ours + "input_layernorm.weight", get(hf + "input_layernorm.weight")
+        yield ours + "post_attention_layernorm.weight", get(hf + "post_attention_layernorm.weight")
+    yield "model.norm.weight", get("model.norm.weight")
+    if not cfg.tie_word_embeddings:
+        if "lm_head.weight" in names:
+            yield "lm_head.weight", get("lm_head.weight")
+        else:  # some checkpoints omit a head that equals the embedding
+            yield "lm_head.weight", get("model.embed_tokens.weight")

@@ -1,0 +1,275 @@
+"""Run a compiled model: load the library and weights on a device, own the KV cache or RNN state,
+and expose prefill/decode over sequences (one or several at once).
+
+The Python side owns the loop. A `Sequence` is an id in the model's KV/RNN state; prefill feeds
+its new tokens (in chunks when long), decode advances several sequences by one token in one
+batched call, fork copies a sequence's state, remove frees it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tvm
+from tvm import relax
+from tvm.runtime import ShapeTuple
+
+from localchat.engine.compile import CompiledLibrary, compile_library
+from localchat.engine.convert import MODEL_CONFIG_FILE
+from localchat.engine.device import Device, select_device
+from localchat.engine.models import get_architecture
+from localchat.engine.quantization import get_quant_mode
+from localchat.engine.tokenizer import Tokenizer, load_tokenizer, read_json
+from localchat.errors import GenerationError, ModelConfigError, ModelNotFoundError
+
+PAGE_SIZE = 16
+_LOAD_LOCK = threading.Lock()  # the runtime's tensor cache is one per process
+
+
+def _global(name: str) -> Any:
+    return tvm.get_global_func(name)
+
+
+@dataclass
+class Sequence:
+    """A sequence held in the model's state: its id and the tokens it has consumed."""
+
+    seq_id: int
+    tokens: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def default_lib_dir(model_dir: Path) -> Path:
+    """Where compiled libraries of a model go: its own lib/ if writable, else the user cache."""
+    lib = model_dir / "lib"
+    if os.access(model_dir, os.W_OK):
+        return lib
+    from platformdirs import user_cache_dir
+
+    root = os.environ.get("LOCALCHAT_HOME")
+    base = Path(root) / "cache" if root else Path(user_cache_dir("localchat"))
+    return base / "lib" / model_dir.resolve().as_posix().strip("/").replace("/", "_")
+
+
+class Model:
+    """A model directory loaded on a device, with its compiled functions and its state."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        device: Device | str = "auto",
+        *,
+        max_batch_size: int = 8,
+        max_total_tokens: int | None = None,
+        prefill_chunk_size: int | None = None,
+    ) -> None:
+        model_dir = Path(model_dir)
+        if not (model_dir / MODEL_CONFIG_FILE).exists():
+            raise ModelNotFoundError(f"{model_dir}: not a localchat model directory")
+        self.model_dir = model_dir
+        self.meta = read_json(model_dir / MODEL_CONFIG_FILE)
+        self.arch = get_architecture(self.meta["architecture"])
+        self.config = self.arch.config_from_dict(self.meta["model_config"])
+        self.mode = get_quant_mode(self.meta["quantization"])
+        self.device = select_device(device) if isinstance(device, str) else device
+        self.dev = self.device.tvm_device
+        self.context_window_size = int(self.meta["context_window_size"])
+        self.prefill_chunk_size = int(prefill_chunk_size or self.meta["prefill_chunk_size"])
+        self.max_batch_size = max_batch_size
+        self.max_total_tokens = int(max_total_tokens or self.context_window_size)
+        self.eos_token_ids: list[int] = list(self.meta.get("eos_token_ids") or [])
+
+        t0 = time.perf_counter()
+        self.library: CompiledLibrary = compile_library(
+            self.arch, self.config, self.mode, self.device.target, default_lib_dir(model_dir)
+        )
+        t1 = time.perf_counter()
+        self.vm = relax.VirtualMachine(tvm.runtime.load_module(str(self.library.path)), self.dev)
+        self.params = self._load_params()
+        self.load_seconds = time.perf_counter() - t1
+        self.compile_seconds = t1 - t0 if self.library.compiled else 0.0
+        self._f = {name: self.vm[name] for name in self._function_names()}
+        self._kv_add = _global("vm.builtin.kv_state_add_sequence")
+        self._kv_remove = _global("vm.builtin.kv_state_remove_sequence")
+        self._kv_fork = _global("vm.builtin.kv_state_fork_sequence")
+        self._kv_begin = _global("vm.builtin.kv_state_begin_forward")
+        self._kv_end = _global("vm.builtin.kv_state_end_forward")
+        self._kv_popn = _global("vm.builtin.kv_state_popn")
+        self.state = self._create_state()
+        self._next_id = 0
+        self._sequences: dict[int, Sequence] = {}
+        self._lock = threading.RLock()
+        self._tokenizer: Tokenizer | None = None
+
+    # -- loading ---------------------------------------------------------------------------
+    def _function_names(self) -> list[str]:
+        return ["embed", "prefill", "decode", "batch_prefill", "batch_decode"]
+
+    def _load_params(self) -> Any:
+        names = self.meta.get("param_names")
+        if not names:
+            raise ModelConfigError(f"{self.model_dir}: {MODEL_CONFIG_FILE} lists no parameters")
+        with _LOAD_LOCK:
+            _global("vm.builtin.tensor_cache.load")(
+                str(self.model_dir), self.dev.dlpack_device_type(), self.dev.index
+            )
+            try:
+                params = _global("vm.builtin.param_array_from_cache_by_name")(names)
+            finally:
+                _global("vm.builtin.tensor_cache.clear")()
+        return params
+
+    def _create_state(self) -> Any:
+        if self.arch.state == "rnn":
+            return self.vm["create_rnn_state"](
+                ShapeTuple([self.max_batch_size]), ShapeTuple([self.max_total_tokens])
+            )
+        return self.vm["create_paged_kv_cache"](
+            ShapeTuple([self.max_batch_size]),
+            ShapeTuple([self.max_total_tokens]),
+            ShapeTuple([self.prefill_chunk_size]),
+            ShapeTuple([PAGE_SIZE]),
+            ShapeTuple([0]),
+        )
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.model_dir)
+        return self._tokenizer
+
+    # -- sequences -------------------------------------------------------------------------
+    def new_sequence(self) -> Sequence:
+        """A new, empty sequence in the model state."""
+        with self._lock:
+            if len(self._sequences) >= self.max_batch_size:
+                raise GenerationError(
+                    f"at most {self.max_batch_size} sequences can be held at once"
+                )
+            seq = Sequence(self._next_id)
+            self._next_id += 1
+            self._kv_add(self.state, seq.seq_id)
+            self._sequences[seq.seq_id] = seq
+            return seq
+
+    def fork(self, parent: Sequence) -> Sequence:
+        """A new sequence whose state is a copy of `parent`'s."""
+        with self._lock:
+            if len(self._sequences) >= self.max_batch_size:
+                raise GenerationError(
+                    f"at most {self.max_batch_size} sequences can be held at once"
+                )
+            child = Sequence(self._next_id, list(parent.tokens))
+            self._next_id += 1
+            self._kv_fork(self.state, parent.seq_id, child.seq_id, -1)
+            self._sequences[child.seq_id] = child
+            return child
+
+    def remove(self, seq: Sequence) -> None:
+        """Free a sequence's state."""
+        with self._lock:
+            if self._sequences.pop(seq.seq_id, None) is not None:
+                self._kv_remove(self.state, seq.seq_id)
+
+    def reset(self, seq: Sequence) -> None:
+        """Forget everything a sequence consumed, keeping its id."""
+        with self._lock:
+            self._kv_remove(self.state, seq.seq_id)
+            self._kv_add(self.state, seq.seq_id)
+            seq.tokens.clear()
+
+    # -- forward ---------------------------------------------------------------------------
+    def _check_room(self, seq: Sequence, extra: int) -> None:
+        if len(seq) + extra > self.context_window_size:
+            raise GenerationError(
+                f"sequence would hold {len(seq) + extra} tokens; the context window is "
+                f"{self.context_window_size}"
+            )
+
+    def _embed(self, token_ids: list[int]) -> Any:
+        ids = tvm.runtime.tensor(np.asarray(token_ids, dtype=np.int32), self.dev)
+        return self._f["embed"](ids, self.params)
+
+    def prefill(self, seq: Sequence, token_ids: list[int]) -> np.ndarray:
+        """Feed `token_ids` to `seq` (in chunks) and return the logits after the last one."""
+        if not token_ids:
+            raise GenerationError("prefill needs at least one token")
+        with self._lock:
+            self._check_room(seq, len(token_ids))
+            chunk = self.prefill_chunk_size
+            logits = None
+            for start in range(0, len(token_ids), chunk):
+                part = token_ids[start : start + chunk]
+                self._kv_begin(self.state, ShapeTuple([seq.seq_id]), ShapeTuple([len(part)]))
+                out = self._f["prefill"](self._embed(part), self.state, self.params)
+                self._kv_end(self.state)
+                logits = out[0]
+                seq.tokens.extend(part)
+            return logits.numpy().reshape(-1)
+
+    def batch_prefill(self, seqs: list[Sequence], token_lists: list[list[int]]) -> np.ndarray:
+        """Prefill several sequences in one call; returns logits [len(seqs), vocab]."""
+        if len(seqs) != len(token_lists) or any(not t for t in token_lists):
+            raise GenerationError("batch_prefill needs one non-empty token list per sequence")
+        total = sum(len(t) for t in token_lists)
+        if total > self.prefill_chunk_size:
+            # Too long for one call: run the sequences one by one (each chunked).
+            return np.stack([self.prefill(s, t) for s, t in zip(seqs, token_lists)])
+        with self._lock:
+            for s, t in zip(seqs, token_lists):
+                self._check_room(s, len(t))
+            flat = [tok for t in token_lists for tok in t]
+            positions = np.cumsum([len(t) for t in token_lists]).astype(np.int32) - 1
+            self._kv_begin(
+                self.state,
+                ShapeTuple([s.seq_id for s in seqs]),
+                ShapeTuple([len(t) for t in token_lists]),
+            )
+            out = self._f["batch_prefill"](
+                self._embed(flat), tvm.runtime.tensor(positions, self.dev), self.state, self.params
+            )
+            self._kv_end(self.state)
+            for s, t in zip(seqs, token_lists):
+                s.tokens.extend(t)
+            return out[0].numpy()
+
+    def decode(self, seqs: list[Sequence], token_ids: list[int]) -> np.ndarray:
+        """Advance each sequence by its one token in one batched call; logits [len(seqs), vocab]."""
+        if len(seqs) != len(token_ids) or not seqs:
+            raise GenerationError("decode needs one token per sequence")
+        with self._lock:
+            for s in seqs:
+                self._check_room(s, 1)
+            self._kv_begin(
+                self.state, ShapeTuple([s.seq_id for s in seqs]), ShapeTuple([1] * len(seqs))
+            )
+            if len(seqs) == 1:
+                out = self._f["decode"](self._embed(token_ids), self.state, self.params)
+            else:
+                out = self._f["batch_decode"](self._embed(token_ids), self.state, self.params)
+            self._kv_end(self.state)
+            for s, t in zip(seqs, token_ids):
+                s.tokens.append(t)
+            return out[0].numpy().reshape(len(seqs), -1)
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes the KV cache (or RNN state) holds for its full capacity."""
+        cfg = self.config
+        if self.arch.state == "rnn":
+            return int(getattr(self.arch, "state_bytes")(cfg, self.max_batch_size))
+        per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
+        itemsize = np.dtype(self.mode.dtype).itemsize
+        pages = -(-self.max_total_tokens // PAGE_SIZE) + self.max_batch_size
+        return per_token * itemsize * pages * PAGE_SIZE
+
+    def weight_bytes(self) -> int:
+        """Bytes of the parameters as loaded on the device."""
+        return sum(int(np.prod(p.shape)) * np.dtype(p.dtype).itemsize for p in self.params)
