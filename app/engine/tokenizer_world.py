@@ -20,6 +20,7 @@ from localchat.errors import ModelConfigError
 END_OF_TEXT_ID = 0
 END_OF_TEXT = "<|endoftext|>"
 WORLD_VOCAB_SIZE = 65536  # embedding rows of RWKV World models; the file fills ids 1..65529
+_UTF8_BYTE_CLASSES = ((0x00, 0x7F), (0x80, 0xBF), (0xC0, 0xDF), (0xE0, 0xEF), (0xF0, 0xFF))
 
 
 def read_world_vocab(path: Path) -> dict[int, bytes]:
@@ -145,17 +146,25 @@ def _compile_longest_match(tokens: tuple[str, ...]) -> re.Pattern[str]:
             sizes[key] = 1 + sum(size(child) for char, child in node.items() if char)
         return sizes[key]
 
-    def alternatives(node: dict) -> str:
+    def alternatives(node: dict) -> list[tuple[str, str]]:
         children = sorted(((c, n) for c, n in node.items() if c), key=lambda cn: -size(cn[1]))
         parts = []
         for char, child in children:
-            below = alternatives(child)
+            below = "|".join(p for _, p in alternatives(child))
             if not below:
-                parts.append(re.escape(char))
+                parts.append((char, re.escape(char)))
             elif "" in child:
-                parts.append(f"{re.escape(char)}(?:{below})?")
+                parts.append((char, f"{re.escape(char)}(?:{below})?"))
             else:
-                parts.append(f"{re.escape(char)}(?:{below})")
-        return "|".join(parts)
+                parts.append((char, f"{re.escape(char)}(?:{below})"))
+        return parts
 
-    return re.compile(alternatives(root), re.DOTALL)
+    # The root has a branch per byte value; a lookahead on the UTF-8 role of the first byte
+    # (ASCII, continuation, lead of 2, 3 or 4) saves scanning past the others.
+    roots = alternatives(root)
+    groups = []
+    for low, high in _UTF8_BYTE_CLASSES:
+        members = [p for c, p in roots if low <= ord(c) <= high]
+        if members:
+            groups.append(f"(?=[\\x{low:02x}-\\x{high:02x}])(?:{'|'.join(members)})")
+    return re.compile("|".join(groups), re.DOTALL)
