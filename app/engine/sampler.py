@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import numpy as np
-
 from localchat.engine.generation_config import GenerationConfig
 from localchat.errors import GenerationError
 
@@ -120,7 +119,7 @@ class Sampler:
         return token
 
     def adjust_logits(self, logits: np.ndarray) -> np.ndarray:
-        """A float32 copy of `logits` with logit_bias, repetition, presence and frequency applied."""
+        """A float32 copy of `logits` with logit_bias and the three penalties applied."""
         x = np.array(logits, dtype=np.float32, copy=True).reshape(-1)
         if x.shape[0] != self.vocab_size:
             raise GenerationError(
@@ -247,10 +246,10 @@ def sample_batch(samplers: Sequence[Sampler], logits: np.ndarray) -> list[int]:
     if all(s.config.greedy and not s.adjusts_logits for s in samplers):
         tokens = np.argmax(logits, axis=1)
         out = []
-        for sampler, row, token in zip(samplers, logits, tokens):
+        for sampler, row, token in zip(samplers, logits, tokens, strict=True):
             if not np.isfinite(row[token]):
                 raise GenerationError(_bad_logits_message(row))
             sampler.accept(int(token))
             out.append(int(token))
         return out
-    return [sampler.sample(row) for sampler, row in zip(samplers, logits)]
+    return [sampler.sample(row) for sampler, row in zip(samplers, logits, strict=True)]
