@@ -94,3 +94,26 @@ def rwkv_package_dir() -> Path:
             shutil.rmtree(out)
         tmp.rename(out)
     return out
+
+
+def _engine_digest() -> str:
+    """Hash of the sources that shape a converted model, so cached conversions stay valid."""
+    import hashlib
+
+    app = Path(__file__).resolve().parent.parent / "app" / "engine"
+    files = [app / "convert.py", app / "quantization.py", app / "weights.py"]
+    files += sorted((app / "models").glob("*.py"))
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.read_bytes())
+    return h.hexdigest()[:10]
+
+
+def converted(src: Path, quant: str) -> Path:
+    """`src` converted to `quant` in the test cache (its compiled library is cached inside)."""
+    from localchat.engine.convert import convert_model
+
+    out = cache_dir() / "converted" / f"{src.name}-{quant}-{_engine_digest()}"
+    if not (out / "localchat-config.json").exists():
+        convert_model(src, out, quant)
+    return out

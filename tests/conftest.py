@@ -1,0 +1,8 @@
+"""Shared pytest setup: the tests folder on sys.path (for `fixtures`) and cached model builds."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))

@@ -1,0 +1,82 @@
+"""Tiny random Llama-family models, saved by transformers, for oracle tests.
+
+Each variant exercises one option of the family; the same saved weights are what both
+localchat and the transformers oracle load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from fixtures import cache_dir
+
+BASE: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.02,
+    "rms_norm_eps": 1e-6,
+}
+
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-gqa": ("LlamaConfig", {}),
+    "llama-mha": ("LlamaConfig", {"num_key_value_heads": 4}),
+    "llama3-rope": (
+        "LlamaConfig",
+        {
+            "rope_theta": 500000.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        },
+    ),
+    "mistral": ("MistralConfig", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", {"num_key_value_heads": 2, "use_sliding_window": False}),
+    "tied": ("LlamaConfig", {"tie_word_embeddings": True}),
+    "head-dim-32": ("LlamaConfig", {"head_dim": 32}),
+}
+
+
+def build_variant(name: str) -> Path:
+    """Save a random model of variant `name` (seeded, so stable across runs) and return it."""
+    import torch
+    import transformers
+
+    cls_name, extra = VARIANTS[name]
+    kwargs = {**BASE, **extra}
+    digest = hashlib.sha256(
+        json.dumps([cls_name, kwargs, transformers.__version__, "head=embed"], sort_keys=True).encode()
+    ).hexdigest()[:10]
+    out = cache_dir() / "variants" / f"{name}-{digest}"
+    if (out / "config.json").exists():
+        return out
+    config = getattr(transformers, cls_name)(**kwargs)
+    model_cls = getattr(transformers, cls_name.replace("Config", "ForCausalLM"))
+    torch.manual_seed(1234)
+    model = model_cls(config).eval()
+    if not config.tie_word_embeddings:
+        # A head aligned with the embeddings gives peaked next-token distributions, as trained
+        # models have; with a purely random head the top-1 is decided by noise-level margins.
+        with torch.no_grad():
+            model.lm_head.weight.copy_(model.model.embed_tokens.weight)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{name}-"))
+    model.save_pretrained(tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out

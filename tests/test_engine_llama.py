@@ -1,0 +1,137 @@
+"""The compiled Llama-family engine against transformers on the same weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from fixtures import converted
+from llama_variants import VARIANTS, build_variant
+
+from localchat.engine.runtime import Model
+
+PROMPT = [int(t) for t in np.random.RandomState(7).randint(0, 512, 24)]
+STEPS = 20
+
+
+def hf_greedy(src, prompt: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
+    """transformers' greedy continuation and the logits before each generated token."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=steps,
+            min_new_tokens=steps,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    return out.sequences[0, len(prompt) :].tolist(), [lg[0].numpy() for lg in out.logits]
+
+
+def run_teacher_forced(model: Model, prompt: list[int], tokens: list[int]) -> list[np.ndarray]:
+    """Our logits before each of `tokens`, feeding the reference tokens (teacher forcing)."""
+    seq = model.new_sequence()
+    try:
+        logits = [model.prefill(seq, prompt)]
+        for tok in tokens[:-1]:
+            logits.append(model.decode([seq], [tok])[0])
+        return logits
+    finally:
+        model.remove(seq)
+
+
+def rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_q0f32_matches_transformers(variant: str) -> None:
+    src = build_variant(variant)
+    ref_tokens, ref_logits = hf_greedy(src, PROMPT, STEPS)
+    model = Model(converted(src, "q0f32"), "cpu")
+    ours = run_teacher_forced(model, PROMPT, ref_tokens)
+    worst = max(rel_err(o, r) for o, r in zip(ours, ref_logits))
+    assert worst <= 1e-4, f"max relative error {worst:.2e}"
+    # Free-running greedy generation gives the very same tokens.
+    seq = model.new_sequence()
+    tok = int(np.argmax(model.prefill(seq, PROMPT)))
+    greedy = [tok]
+    for _ in range(STEPS - 1):
+        tok = int(np.argmax(model.decode([seq], [tok])[0]))
+        greedy.append(tok)
+    assert greedy == ref_tokens
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_q4f32_top1_agreement(variant: str) -> None:
+    src = build_variant(variant)
+    ref_tokens, ref_logits = hf_greedy(src, PROMPT, STEPS)
+    model = Model(converted(src, "q4f32_1"), "cpu")
+    ours = run_teacher_forced(model, PROMPT, ref_tokens)
+    agree = np.mean([int(o.argmax() == r.argmax()) for o, r in zip(ours, ref_logits)])
+    assert agree >= 0.9, f"top-1 agreement {agree:.0%}"
+
+
+@pytest.fixture(scope="module")
+def gqa_model() -> Model:
+    return Model(converted(build_variant("llama-gqa"), "q0f32"), "cpu", prefill_chunk_size=16)
+
+
+def test_chunked_prefill_equals_single_prefill(gqa_model: Model) -> None:
+    prompt = [int(t) for t in np.random.RandomState(3).randint(0, 512, 48)]  # 3 chunks of 16
+    chunked = gqa_model.prefill(seq := gqa_model.new_sequence(), prompt)
+    gqa_model.remove(seq)
+    whole = Model(gqa_model.model_dir, "cpu", prefill_chunk_size=64)
+    single = whole.prefill(whole.new_sequence(), prompt)
+    assert rel_err(chunked, single) <= 1e-5
+
+
+def test_batched_decode_equals_each_alone(gqa_model: Model) -> None:
+    a_prompt, b_prompt = PROMPT[:10], PROMPT[5:]
+
+    def alone(prompt: list[int]) -> list[int]:
+        seq = gqa_model.new_sequence()
+        tok = int(np.argmax(gqa_model.prefill(seq, prompt)))
+        out = [tok]
+        for _ in range(8):
+            tok = int(np.argmax(gqa_model.decode([seq], [tok])[0]))
+            out.append(tok)
+        gqa_model.remove(seq)
+        return out
+
+    a, b = gqa_model.new_sequence(), gqa_model.new_sequence()
+    first = gqa_model.batch_prefill([a, b], [a_prompt, b_prompt])
+    toks = [int(np.argmax(first[0])), int(np.argmax(first[1]))]
+    together = [[toks[0]], [toks[1]]]
+    for _ in range(8):
+        logits = gqa_model.decode([a, b], toks)
+        toks = [int(np.argmax(logits[0])), int(np.argmax(logits[1]))]
+        together[0].append(toks[0])
+        together[1].append(toks[1])
+    gqa_model.remove(a)
+    gqa_model.remove(b)
+    assert together == [alone(a_prompt), alone(b_prompt)]
+
+
+def test_fork_continues_independently(gqa_model: Model) -> None:
+    parent = gqa_model.new_sequence()
+    gqa_model.prefill(parent, PROMPT[:12])
+    child = gqa_model.fork(parent)
+    from_parent = gqa_model.decode([parent], [PROMPT[12]])[0]
+    from_child = gqa_model.decode([child], [PROMPT[13]])[0]
+    fresh = gqa_model.new_sequence()
+    expect_child = gqa_model.prefill(fresh, PROMPT[:12] + [PROMPT[13]])
+    expect_parent = gqa_model.prefill(gqa_model.new_sequence(), PROMPT[:13])
+    assert rel_err(from_child, expect_child) <= 1e-5
+    assert rel_err(from_parent, expect_parent) <= 1e-5
+
+
+def test_second_load_does_not_compile() -> None:
+    path = converted(build_variant("llama-gqa"), "q0f32")
+    Model(path, "cpu")
+    again = Model(path, "cpu")
+    assert again.library.compiled is False
+    assert again.compile_seconds == 0.0
