@@ -183,3 +183,11 @@ def test_index_schema_violations() -> None:
     assert validate_index({"format": 2}) == ["prebuilt index: format must be 1"]
     with pytest.raises(RecipeError):
         PrebuiltIndex.from_dict(bad)
+
+
+def test_recipe_templates_are_engine_builtins() -> None:
+    from localchat.engine.templates import BUILTIN_TEMPLATES
+
+    used = {r.template for r in all_recipes().values()}
+    # zephyr (TinyLlama): the repo's own chat_template is used first; a builtin is still to come
+    assert used - set(BUILTIN_TEMPLATES) <= {"zephyr"}
