@@ -1,0 +1,836 @@
+"""Scheduled CPU attention kernels for TVM's paged KV cache, and a cache that uses them.
+
+TVM's `TIRPagedKVCache` gives the llvm target serial scalar loop nests for attention; on a
+135M-parameter model they take most of a prefill. The kernels here keep the exact PrimFunc
+signatures the KV-cache runtime calls (`vm.builtin.paged_attention_kv_cache_create`) and are
+written already scheduled:
+
+* prefill (ragged and paged): one work item is 16 query positions x the `group` query heads that
+  share one KV head. The scores of a key block are computed transposed, S^T[key, row], with the
+  16 queries of a head in the 16 lanes of a vector, so the online-softmax max and sum are lane-wise
+  (no horizontal reductions) and K is read in its stored layout (one broadcast per element).
+  P.V accumulates into register tiles of (rows x head_dim).
+* decode: one work item is (sequence, KV head, KV split); a sequence's pages are split in up to
+  `DECODE_SPLITS` ranges so that a single sequence still fills the cores; partial states are merged
+  after the parallel loop. Dot products run along head_dim.
+* merge-state: parallel over tokens, vectorized along head_dim.
+
+Softmax runs in base 2 on fp32 (inputs of any float dtype are widened), with a polynomial exp2
+accurate to ~2e-7 relative. `lse` follows TVM's convention: log2-sum-exp2 of the scaled scores
+(score * sm_scale * log2(e)); a query with no key to attend to (a sequence without cached pages)
+gets output 0 and lse -5e4, which the runtime's merge weighs as zero.
+
+Rotary position embedding is applied by the cache before attention in RopeMode.NORMAL (and not
+at all in NONE), so the kernels ignore `rotary_mode`/rope arguments; INLINE mode, MLA and the
+sliding-window variants are left to TVM's kernels (`create_paged_kv_cache_cpu` falls back to
+`TIRPagedKVCache` for INLINE and MLA, and keeps TVM's sliding-window kernels).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import tvm
+from tvm import relax as rx
+from tvm import tirx
+from tvm.relax.frontend.nn.llm import kv_cache as _kv
+from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
+from tvm.script import tirx as T
+from tvm.target import Target
+
+LANES = 16  # float32 lanes of one AVX-512 register; also the query rows per prefill work item
+KEY_BLOCK = 64  # keys per online-softmax step in prefill
+DECODE_KEY_BLOCK = 16  # keys per online-softmax step in decode
+DECODE_SPLITS = 4  # most KV ranges one decode sequence is split into
+DECODE_MIN_SPLIT = 64  # fewest keys in a decode split
+NEG_INF = -1.0e30  # "minus infinity" that stays finite through subtraction
+EMPTY_LSE = -5.0e4  # lse of a query with no keys (TVM's kernels use the same value)
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+TARGET_ACCUMULATORS = 24  # vector registers given to an accumulator tile (of 32 zmm)
+
+
+def _exp2(x):
+    """2**x for float32 (scalar or vector) x, by 2**round(x) * poly(frac); ~2e-7 relative error.
+
+    x is clamped to [-126, 127]; inputs here are differences of log2-scores, so x <= 0.
+    """
+    x = T.max(T.min(x, T.float32(127.0)), T.float32(-126.0))
+    n = T.floor(x + T.float32(0.5))
+    y = (x - n) * T.float32(LN2)  # |y| <= ln(2)/2
+    p = T.float32(1.0 / 720)
+    for c in (1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0):
+        p = p * y + T.float32(c)
+    two_n = T.reinterpret("float32", T.shift_left(T.Cast("int32", n) + 127, 23))
+    return p * two_n
+
+
+def _vec_width(d: int) -> int:
+    for w in (16, 8, 4, 2, 1):
+        if d % w == 0:
+            return w
+    return 1
+
+
+def _row_tile(rows: int, vecs_per_row: int) -> int:
+    """Rows of a P.V register tile: the most that fit TARGET_ACCUMULATORS and divide `rows`."""
+    best = 1
+    for rt in range(1, rows + 1):
+        if rows % rt == 0 and rt * vecs_per_row <= TARGET_ACCUMULATORS:
+            best = rt
+    return best
+
+
+def _check_heads(h_kv: int, h_q: int) -> int:
+    if h_kv <= 0 or h_q % h_kv != 0:
+        raise ValueError(f"query heads ({h_q}) must be a multiple of KV heads ({h_kv})")
+    return h_q // h_kv
+
+
+# --------------------------------------------------------------------------------------------
+# Prefill
+# --------------------------------------------------------------------------------------------
+
+
+def _prefill_macros(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str, paged: bool, ps: int = 0):
+    """The work item shared by the ragged and paged prefill kernels."""
+    group = _check_heads(h_kv, h_q)
+    rows = group * LANES  # row r = g * LANES + e: query q0 + e, head hk * group + g
+    key_tile = max(1, min(16, TARGET_ACCUMULATORS // group))
+    while KEY_BLOCK % key_tile:
+        key_tile -= 1
+    vw = _vec_width(d_v)
+    dvv = d_v // vw
+    row_tile = _row_tile(rows, dvv)
+    f32 = "float32"
+
+    @T.macro
+    def seq_block(
+        qf, outf, lse, kf, vf, b_tok0, qo_n, q0, nq, kv_n, hk, causal, scale, kv_base, page_values
+    ):
+        # kv_base: first token of the sequence in k/v (ragged) or its first page_values entry
+        qt = T.alloc_buffer((d_qk, group, LANES), f32)
+        s_t = T.alloc_buffer((KEY_BLOCK, rows), f32)
+        o = T.alloc_buffer((rows, d_v), f32)
+        m = T.alloc_buffer((rows,), f32)
+        lsum = T.alloc_buffer((rows,), f32)
+        alpha = T.alloc_buffer((rows,), f32)
+        lim = T.alloc_buffer((LANES,), "int32")
+        koff = T.alloc_buffer((KEY_BLOCK,), "int32")
+        voff = T.alloc_buffer((KEY_BLOCK,), "int32")
+        acc = T.alloc_buffer((key_tile, group, LANES), f32)
+        oacc = T.alloc_buffer((row_tile, dvv, vw), f32)
+        mx = T.alloc_buffer((LANES,), f32)
+        ls = T.alloc_buffer((LANES,), f32)
+
+        # Q^T of this block, pre-scaled to log2 units; rows past the sequence repeat its last row.
+        for e in range(LANES):
+            for g in range(group):
+                for dd in range(d_qk):
+                    qt[dd, g, e] = (
+                        T.Cast(
+                            f32,
+                            qf[
+                                ((b_tok0 + T.min(q0 + e, qo_n - 1)) * h_q + hk * group + g) * d_qk
+                                + dd
+                            ],
+                        )
+                        * scale
+                    )
+        # Keys visible to each query row: col < lim (causal: kv_n - qo_n + row + 1).
+        for e in T.vectorized(LANES):
+            lim[e] = T.if_then_else(causal > 0, T.min(kv_n, kv_n - qo_n + q0 + e + 1), kv_n)
+        kv_stop = T.if_then_else(causal > 0, T.max(T.min(kv_n, kv_n - qo_n + q0 + nq), 0), kv_n)
+        for r in T.vectorized(rows):
+            m[r] = T.float32(NEG_INF)
+            lsum[r] = T.float32(0)
+        for r in range(rows):
+            for c in T.vectorized(d_v):
+                o[r, c] = T.float32(0)
+
+        for kb in range((kv_stop + KEY_BLOCK - 1) // KEY_BLOCK):
+            j0 = kb * KEY_BLOCK
+            nk = T.min(KEY_BLOCK, kv_stop - j0)
+            # Element offsets of the block's K and V rows (past the end: repeat the last row).
+            for jj in range(KEY_BLOCK):
+                jc = T.min(j0 + jj, kv_stop - 1)
+                if paged:
+                    pg = page_values[kv_base + jc // ps]
+                    koff[jj] = ((pg * 2 * h_kv + hk) * ps + jc % ps) * d_qk
+                    voff[jj] = (((pg * 2 + 1) * h_kv + hk) * ps + jc % ps) * d_v
+                else:
+                    koff[jj] = ((kv_base + jc) * h_kv + hk) * d_qk
+                    voff[jj] = ((kv_base + jc) * h_kv + hk) * d_v
+            # S^T[j, r] = sum_d K[j, d] * Q^T[d, r]
+            for jt in range((nk + key_tile - 1) // key_tile):
+                for jj, g in T.grid(key_tile, group):
+                    for e in T.vectorized(LANES):
+                        acc[jj, g, e] = T.float32(0)
+                for dd in range(d_qk):
+                    for jj in T.unroll(key_tile):
+                        for g in T.unroll(group):
+                            for e in T.vectorized(LANES):
+                                acc[jj, g, e] = (
+                                    acc[jj, g, e]
+                                    + T.Cast(f32, kf[koff[jt * key_tile + jj] + dd]) * qt[dd, g, e]
+                                )
+                for jj, g in T.grid(key_tile, group):
+                    for e in T.vectorized(LANES):
+                        s_t[jt * key_tile + jj, g * LANES + e] = acc[jj, g, e]
+            # Online softmax, lane-wise over the 16 queries of each head.
+            for g in range(group):
+                for e in T.vectorized(LANES):
+                    mx[e] = m[g * LANES + e]
+                for jj in range(nk):
+                    for e in T.vectorized(LANES):
+                        mx[e] = T.max(
+                            mx[e],
+                            T.if_then_else(
+                                j0 + jj < lim[e], s_t[jj, g * LANES + e], T.float32(NEG_INF)
+                            ),
+                        )
+                for e in T.vectorized(LANES):
+                    alpha[g * LANES + e] = _exp2(m[g * LANES + e] - mx[e])
+                    m[g * LANES + e] = mx[e]
+                    ls[e] = T.float32(0)
+                for jj in range(nk):
+                    for e in T.vectorized(LANES):
+                        s_t[jj, g * LANES + e] = T.if_then_else(
+                            j0 + jj < lim[e],
+                            _exp2(s_t[jj, g * LANES + e] - mx[e]),
+                            T.float32(0),
+                        )
+                        ls[e] = ls[e] + s_t[jj, g * LANES + e]
+                for e in T.vectorized(LANES):
+                    lsum[g * LANES + e] = lsum[g * LANES + e] * alpha[g * LANES + e] + ls[e]
+            # O = O * alpha + P @ V, in (row_tile x d_v) register tiles.
+            for rt in range(rows // row_tile):
+                for ii in T.unroll(row_tile):
+                    for c in T.unroll(dvv):
+                        for e in T.vectorized(vw):
+                            oacc[ii, c, e] = (
+                                o[rt * row_tile + ii, c * vw + e] * alpha[rt * row_tile + ii]
+                            )
+                for jj in range(nk):
+                    for ii in T.unroll(row_tile):
+                        for c in T.unroll(dvv):
+                            for e in T.vectorized(vw):
+                                oacc[ii, c, e] = oacc[ii, c, e] + s_t[
+                                    jj, rt * row_tile + ii
+                                ] * T.Cast(f32, vf[voff[jj] + c * vw + e])
+                for ii in T.unroll(row_tile):
+                    for c in T.unroll(dvv):
+                        for e in T.vectorized(vw):
+                            o[rt * row_tile + ii, c * vw + e] = oacc[ii, c, e]
+
+        # Normalize and store the rows that exist.
+        for g in range(group):
+            for e in range(nq):
+                tok = b_tok0 + q0 + e
+                r = g * LANES + e
+                if lsum[r] > T.float32(0):
+                    for c in T.vectorized(d_v):
+                        outf[(tok * h_q + hk * group + g) * d_v + c] = T.Cast(
+                            dtype, o[r, c] / lsum[r]
+                        )
+                    lse[tok, hk * group + g] = m[r] + T.log2(lsum[r])
+                else:
+                    for c in T.vectorized(d_v):
+                        outf[(tok * h_q + hk * group + g) * d_v + c] = T.Cast(dtype, T.float32(0))
+                    lse[tok, hk * group + g] = T.float32(EMPTY_LSE)
+
+    @T.macro
+    def locate(loc, t, q_indptr, batch_size):
+        # loc <- (sequence, query block within it) of the t-th query block of the batch, or -1.
+        loc[0] = -1
+        loc[1] = 0
+        loc[2] = 0
+        for bb in range(batch_size):
+            nqb = (q_indptr[bb + 1] - q_indptr[bb] + LANES - 1) // LANES
+            if t >= loc[2] and t < loc[2] + nqb:
+                loc[0] = bb
+                loc[1] = t - loc[2]
+            loc[2] = loc[2] + nqb
+
+    return seq_block, locate
+
+
+def attention_prefill_ragged_cpu(
+    h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str
+) -> tirx.PrimFunc:
+    """Causal (or full) attention of a batch of new tokens to themselves: k/v ragged in memory.
+
+    Same signature as TVM's `_attention_prefill_ragged_cpu`; rope arguments are ignored.
+    """
+    seq_block, locate = _prefill_macros(h_kv, h_q, d_qk, d_v, dtype, paged=False)
+
+    @T.prim_func(private=True)
+    def batch_prefill_ragged_kv(
+        var_q: T.handle,  # [total_len, h_q, d_qk]
+        var_q_indptr: T.handle,  # [batch_size + 1]
+        var_k: T.handle,  # [total_len, h_kv, d_qk]
+        var_v: T.handle,  # [total_len, h_kv, d_v]
+        var_kv_indptr: T.handle,  # [batch_size + 1]
+        var_q_rope_position: T.handle,  # [total_q_len]
+        var_k_rope_pos_offset: T.handle,  # [b]
+        var_output: T.handle,  # [total_len, h_q, d_v]
+        var_lse: T.handle,  # [total_len, h_q]
+        causal: T.int32,
+        rotary_mode: T.int32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+        sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        batch_size = T.int32()
+        qo_len = T.int32()
+        kv_len = T.int32()
+        q_indptr_elem_offset = T.int32()
+        kv_indptr_elem_offset = T.int32()
+        q = T.match_buffer(var_q, (qo_len, h_q, d_qk), dtype)
+        q_indptr = T.match_buffer(
+            var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset
+        )
+        k = T.match_buffer(var_k, (kv_len, h_kv, d_qk), dtype)
+        v = T.match_buffer(var_v, (kv_len, h_kv, d_v), dtype)
+        kv_indptr = T.match_buffer(
+            var_kv_indptr, (batch_size + 1,), "int32", elem_offset=kv_indptr_elem_offset
+        )
+        output = T.match_buffer(var_output, (qo_len, h_q, d_v), dtype)
+        lse = T.match_buffer(var_lse, (qo_len, h_q), "float32")
+        qf = T.decl_buffer((qo_len * h_q * d_qk,), dtype, data=q.data)
+        kf = T.decl_buffer((kv_len * h_kv * d_qk,), dtype, data=k.data)
+        vf = T.decl_buffer((kv_len * h_kv * d_v,), dtype, data=v.data)
+        outf = T.decl_buffer((qo_len * h_q * d_v,), dtype, data=output.data)
+
+        scale = sm_scale * T.float32(LOG2E)
+        n_items = h_kv * ((qo_len + LANES - 1) // LANES + batch_size)
+        with T.attr(0, "pragma_parallel_launch_point", 1):
+            with T.attr(0, "pragma_parallel_stride_pattern", 1):
+                for w in T.parallel(n_items):
+                    loc = T.alloc_buffer((3,), "int32")
+                    locate(loc, w // h_kv, q_indptr, batch_size)
+                    if loc[0] >= 0:
+                        b: T.int32 = loc[0]
+                        qo_n: T.int32 = q_indptr[b + 1] - q_indptr[b]
+                        q0: T.int32 = loc[1] * LANES
+                        seq_block(
+                            qf,
+                            outf,
+                            lse,
+                            kf,
+                            vf,
+                            q_indptr[b],
+                            qo_n,
+                            q0,
+                            T.min(LANES, qo_n - q0),
+                            kv_indptr[b + 1] - kv_indptr[b],
+                            w % h_kv,
+                            causal,
+                            scale,
+                            kv_indptr[b],
+                            None,
+                        )
+
+    return batch_prefill_ragged_kv
+
+
+def attention_prefill_paged_cpu(
+    h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 16
+) -> tirx.PrimFunc:
+    """Attention of a batch of new tokens to the pages already in the cache.
+
+    Same signature as TVM's `_attention_prefill_cpu(..., sliding_window=False)`, and like it
+    compiled for one page size (16 by default). Rope arguments are ignored.
+    """
+    seq_block, locate = _prefill_macros(h_kv, h_q, d, d, dtype, paged=True, ps=page_size)
+
+    @T.prim_func(private=True)
+    def batch_prefill_paged_kv_cpu(
+        var_q: T.handle,  # [total_len, h_q, d]
+        var_q_indptr: T.handle,  # [batch_size + 1]
+        var_pages: T.handle,  # [max_num_pages, 2, h_kv, page_size, d]
+        var_page_indptr: T.handle,  # [batch_size + 1]
+        var_page_values: T.handle,  # [nnz_pages]
+        var_length_info: T.handle,  # [b]: tokens in the last page
+        var_k_rope_pos_offset: T.handle,  # [b]
+        var_q_rope_position: T.handle,  # [total_len]
+        var_output: T.handle,  # [total_len, h_q, d]
+        var_lse: T.handle,  # [total_len, h_q]
+        causal: T.int32,
+        rotary_mode: T.int32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+        sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        batch_size = T.int32()
+        total_len = T.int32()
+        nnz_pages = T.int32()
+        max_num_pages = T.int32()
+        q_indptr_elem_offset = T.int32()
+        page_indptr_elem_offset = T.int32()
+        page_values_elem_offset = T.int32()
+        length_info_elem_offset = T.int32()
+        q = T.match_buffer(var_q, (total_len, h_q, d), dtype)
+        q_indptr = T.match_buffer(
+            var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset
+        )
+        pages = T.match_buffer(var_pages, (max_num_pages, 2, h_kv, page_size, d), dtype)
+        page_indptr = T.match_buffer(
+            var_page_indptr, (batch_size + 1,), "int32", elem_offset=page_indptr_elem_offset
+        )
+        page_values = T.match_buffer(
+            var_page_values, (nnz_pages,), "int32", elem_offset=page_values_elem_offset
+        )
+        output = T.match_buffer(var_output, (total_len, h_q, d), dtype)
+        lse = T.match_buffer(var_lse, (total_len, h_q), "float32")
+        length_info = T.match_buffer(
+            var_length_info, (batch_size,), "int32", elem_offset=length_info_elem_offset
+        )
+        qf = T.decl_buffer((total_len * h_q * d,), dtype, data=q.data)
+        pf = T.decl_buffer((max_num_pages * 2 * h_kv * page_size * d,), dtype, data=pages.data)
+        outf = T.decl_buffer((total_len * h_q * d,), dtype, data=output.data)
+
+        scale = sm_scale * T.float32(LOG2E)
+        n_items = h_kv * ((total_len + LANES - 1) // LANES + batch_size)
+        with T.attr(0, "pragma_parallel_launch_point", 1):
+            with T.attr(0, "pragma_parallel_stride_pattern", 1):
+                for w in T.parallel(n_items):
+                    loc = T.alloc_buffer((3,), "int32")
+                    locate(loc, w // h_kv, q_indptr, batch_size)
+                    if loc[0] >= 0:
+                        b: T.int32 = loc[0]
+                        qo_n: T.int32 = q_indptr[b + 1] - q_indptr[b]
+                        q0: T.int32 = loc[1] * LANES
+                        npg: T.int32 = page_indptr[b + 1] - page_indptr[b]
+                        seq_block(
+                            qf,
+                            outf,
+                            lse,
+                            pf,
+                            pf,
+                            q_indptr[b],
+                            qo_n,
+                            q0,
+                            T.min(LANES, qo_n - q0),
+                            T.if_then_else(npg > 0, (npg - 1) * page_size + length_info[b], 0),
+                            w % h_kv,
+                            causal,
+                            scale,
+                            page_indptr[b],
+                            page_values,
+                        )
+
+    return batch_prefill_paged_kv_cpu
+
+
+# --------------------------------------------------------------------------------------------
+# Decode
+# --------------------------------------------------------------------------------------------
+
+
+def attention_decode_paged_cpu(
+    h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 16
+) -> tirx.PrimFunc:
+    """One new token per sequence attending to all its pages (the new token's K/V included).
+
+    Same signature as TVM's `_attention_decode_cpu(..., sliding_window=False)`, and like it
+    compiled for one page size (16 by default). Rope arguments are ignored.
+    """
+    group = _check_heads(h_kv, h_q)
+    vw = _vec_width(d)
+    nv = d // vw
+    blk = DECODE_KEY_BLOCK
+    n_split = DECODE_SPLITS
+    f32 = "float32"
+
+    @T.macro
+    def hreduce(buf, g, width, op):
+        # buf[g, 0] <- op-reduction of buf[g, 0:width] (width a power of two <= 16)
+        if width >= 16:
+            for e in T.vectorized(8):
+                buf[g, e] = op(buf[g, e], buf[g, e + 8])
+        if width >= 8:
+            for e in T.vectorized(4):
+                buf[g, e] = op(buf[g, e], buf[g, e + 4])
+        if width >= 4:
+            for e in T.vectorized(2):
+                buf[g, e] = op(buf[g, e], buf[g, e + 2])
+        if width >= 2:
+            buf[g, 0] = op(buf[g, 0], buf[g, 1])
+
+    def add(a, b):
+        return a + b
+
+    def maximum(a, b):
+        return T.max(a, b)
+
+    @T.prim_func(private=True)
+    def batch_decode_paged_kv(
+        Q_handle: T.handle,
+        pages_handle: T.handle,
+        page_table_indptr_handle: T.handle,
+        page_table_values_handle: T.handle,
+        var_length_info: T.handle,  # [b]: tokens in the last page
+        k_rope_pos_offset_handle: T.handle,
+        q_rope_position_handle: T.handle,
+        output_handle: T.handle,
+        lse_handle: T.handle,
+        rotary_mode: T.int32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+        sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        B = T.int32()
+        nnz_pages = T.int32()
+        max_num_pages = T.int32()
+        page_indptr_elem_offset = T.int32()
+        page_values_elem_offset = T.int32()
+        length_info_elem_offset = T.int32()
+        Q = T.match_buffer(Q_handle, (B, h_q, d), dtype)
+        pages = T.match_buffer(pages_handle, (max_num_pages, 2, h_kv, page_size, d), dtype)
+        page_table_indptr = T.match_buffer(
+            page_table_indptr_handle, (B + 1,), "int32", elem_offset=page_indptr_elem_offset
+        )
+        page_table_values = T.match_buffer(
+            page_table_values_handle, (nnz_pages,), "int32", elem_offset=page_values_elem_offset
+        )
+        output = T.match_buffer(output_handle, (B, h_q, d), dtype)
+        lse = T.match_buffer(lse_handle, (B, h_q), "float32")
+        length_info = T.match_buffer(
+            var_length_info, (B,), "int32", elem_offset=length_info_elem_offset
+        )
+        pf = T.decl_buffer((max_num_pages * 2 * h_kv * page_size * d,), dtype, data=pages.data)
+
+        part_o = T.alloc_buffer((B * h_kv * n_split, group, d), f32)
+        part_m = T.alloc_buffer((B * h_kv * n_split, group), f32)
+        part_l = T.alloc_buffer((B * h_kv * n_split, group), f32)
+        scale = sm_scale * T.float32(LOG2E)
+
+        with T.attr(0, "pragma_parallel_launch_point", 1):
+            with T.attr(0, "pragma_parallel_stride_pattern", 1):
+                for w in T.parallel(B * h_kv * n_split):
+                    ql = T.alloc_buffer((group, d), f32)
+                    o = T.alloc_buffer((group, d), f32)
+                    acc = T.alloc_buffer((group, vw), f32)
+                    s = T.alloc_buffer((group, blk), f32)
+                    red = T.alloc_buffer((group, blk), f32)
+                    ml = T.alloc_buffer((2, group), f32)  # running max, running sum
+                    alpha = T.alloc_buffer((group,), f32)
+                    koff = T.alloc_buffer((blk,), "int32")
+                    split: T.int32 = w % n_split
+                    hk: T.int32 = (w // n_split) % h_kv
+                    b: T.int32 = w // (n_split * h_kv)
+                    pbeg: T.int32 = page_table_indptr[b]
+                    npg: T.int32 = page_table_indptr[b + 1] - pbeg
+                    kv_n: T.int32 = T.if_then_else(
+                        npg > 0, (npg - 1) * page_size + length_info[b], 0
+                    )
+                    used: T.int32 = T.max(
+                        T.min((kv_n + DECODE_MIN_SPLIT - 1) // DECODE_MIN_SPLIT, n_split), 1
+                    )
+                    span: T.int32 = ((kv_n + used - 1) // used + blk - 1) // blk * blk
+                    k_beg: T.int32 = split * span
+                    k_end: T.int32 = T.min(kv_n, k_beg + span)
+                    for g in T.unroll(group):
+                        for c in T.vectorized(d):
+                            ql[g, c] = T.Cast(f32, Q[b, hk * group + g, c]) * scale
+                            o[g, c] = T.float32(0)
+                        ml[0, g] = T.float32(NEG_INF)
+                        ml[1, g] = T.float32(0)
+                    for kb in range((T.max(k_end - k_beg, 0) + blk - 1) // blk):
+                        j0 = k_beg + kb * blk
+                        nk = T.min(blk, k_end - j0)
+                        for jj in range(blk):
+                            jc = T.min(j0 + jj, k_end - 1)
+                            koff[jj] = (
+                                (page_table_values[pbeg + jc // page_size] * 2 * h_kv + hk)
+                                * page_size
+                                + jc % page_size
+                            ) * d
+                        # s[g, jj] = q[g] . K[jj]
+                        for jj in range(blk):
+                            for g in T.unroll(group):
+                                for e in T.vectorized(vw):
+                                    acc[g, e] = T.float32(0)
+                            for c in T.unroll(nv):
+                                for g in T.unroll(group):
+                                    for e in T.vectorized(vw):
+                                        acc[g, e] = acc[g, e] + ql[g, c * vw + e] * T.Cast(
+                                            f32, pf[koff[jj] + c * vw + e]
+                                        )
+                            for g in T.unroll(group):
+                                hreduce(acc, g, vw, add)
+                                s[g, jj] = acc[g, 0]
+                        # online softmax over the block
+                        for g in T.unroll(group):
+                            for e in T.vectorized(blk):
+                                red[g, e] = T.if_then_else(e < nk, s[g, e], T.float32(NEG_INF))
+                            hreduce(red, g, blk, maximum)
+                            mx: T.float32 = T.max(ml[0, g], red[g, 0])
+                            alpha[g] = _exp2(ml[0, g] - mx)
+                            ml[0, g] = mx
+                            for e in T.vectorized(blk):
+                                s[g, e] = T.if_then_else(e < nk, _exp2(s[g, e] - mx), T.float32(0))
+                                red[g, e] = s[g, e]
+                            hreduce(red, g, blk, add)
+                            ml[1, g] = ml[1, g] * alpha[g] + red[g, 0]
+                            for c in T.vectorized(d):
+                                o[g, c] = o[g, c] * alpha[g]
+                        # o += p @ V
+                        for jj in range(nk):
+                            for c in T.unroll(nv):
+                                for g in T.unroll(group):
+                                    for e in T.vectorized(vw):
+                                        o[g, c * vw + e] = o[g, c * vw + e] + s[g, jj] * T.Cast(
+                                            f32, pf[koff[jj] + h_kv * page_size * d + c * vw + e]
+                                        )
+                    for g in T.unroll(group):
+                        for c in T.vectorized(d):
+                            part_o[w, g, c] = o[g, c]
+                        part_m[w, g] = ml[0, g]
+                        part_l[w, g] = ml[1, g]
+
+        # Merge the splits of each (sequence, head).
+        for bh in range(B * h_kv):
+            mo = T.alloc_buffer((d,), f32)
+            st = T.alloc_buffer((3,), f32)  # max, sum, weight
+            for g in range(group):
+                st[0] = T.float32(NEG_INF)
+                for sp in range(n_split):
+                    st[0] = T.max(st[0], part_m[bh * n_split + sp, g])
+                st[1] = T.float32(0)
+                for c in T.vectorized(d):
+                    mo[c] = T.float32(0)
+                for sp in range(n_split):
+                    st[2] = _exp2(part_m[bh * n_split + sp, g] - st[0])
+                    st[1] = st[1] + part_l[bh * n_split + sp, g] * st[2]
+                    for c in T.vectorized(d):
+                        mo[c] = mo[c] + part_o[bh * n_split + sp, g, c] * st[2]
+                if st[1] > T.float32(0):
+                    for c in T.vectorized(d):
+                        output[bh // h_kv, (bh % h_kv) * group + g, c] = T.Cast(
+                            dtype, mo[c] / st[1]
+                        )
+                    lse[bh // h_kv, (bh % h_kv) * group + g] = st[0] + T.log2(st[1])
+                else:
+                    for c in T.vectorized(d):
+                        output[bh // h_kv, (bh % h_kv) * group + g, c] = T.Cast(dtype, T.float32(0))
+                    lse[bh // h_kv, (bh % h_kv) * group + g] = T.float32(EMPTY_LSE)
+
+    return batch_decode_paged_kv
+
+
+# --------------------------------------------------------------------------------------------
+# Merge of two attention states
+# --------------------------------------------------------------------------------------------
+
+
+def merge_state_inplace_cpu(h: int, d: int, dtype: str) -> tirx.PrimFunc:
+    """(v, s) <- merge of (v, s) and (v_other, s_other), with s in log2 units, as TVM's kernel."""
+    rows_per_item = 16
+    f32 = "float32"
+
+    @T.prim_func(private=True)
+    def merge_state_inplace_cpu(v: T.handle, s: T.handle, v_other: T.handle, s_other: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        N = T.int32()
+        V = T.match_buffer(v, (N, h, d), dtype)
+        S = T.match_buffer(s, (N, h), "float32")
+        V_other = T.match_buffer(v_other, (N, h, d), dtype)
+        S_other = T.match_buffer(s_other, (N, h), "float32")
+        for item in T.parallel((N + rows_per_item - 1) // rows_per_item):
+            st = T.alloc_buffer((4,), f32)  # max, weight, other weight, 1 / (weight + other)
+            for i in range(T.min(rows_per_item, N - item * rows_per_item)):
+                for hh in range(h):
+                    n: T.int32 = item * rows_per_item + i
+                    st[0] = T.max(S[n, hh], S_other[n, hh])
+                    st[1] = _exp2(S[n, hh] - st[0])
+                    st[2] = _exp2(S_other[n, hh] - st[0])
+                    st[3] = T.float32(1) / (st[1] + st[2])
+                    for c in T.vectorized(d):
+                        V[n, hh, c] = T.Cast(
+                            dtype,
+                            (
+                                T.Cast(f32, V[n, hh, c]) * st[1]
+                                + T.Cast(f32, V_other[n, hh, c]) * st[2]
+                            )
+                            * st[3],
+                        )
+                    S[n, hh] = T.log2(st[1] + st[2]) + st[0]
+
+    return merge_state_inplace_cpu
+
+
+# --------------------------------------------------------------------------------------------
+# The KV cache
+# --------------------------------------------------------------------------------------------
+
+KERNEL_PAGE_SIZE = 16  # page size the paged kernels are compiled for (as TVM's CPU kernels)
+
+
+def create_paged_kv_cache_cpu(
+    attn_kind: Literal["mha", "mla"] | list[Literal["mha", "mla", "mha_sliding"]],
+    max_batch_size: tirx.Var,
+    max_total_seq_len: tirx.Var,
+    prefill_chunk_size: tirx.Var,
+    page_size: tirx.Var,
+    support_sliding_window: tirx.Var,
+    layer_partition: rx.ShapeExpr,
+    num_hidden_layers: int,
+    num_attention_heads: int,
+    num_key_value_heads: int,
+    qk_head_dim: int,
+    v_head_dim: int,
+    mla_original_qk_head_dim: int,
+    mla_original_v_head_dim: int,
+    rope_mode: RopeMode,
+    rope_scale: int,
+    rope_theta: int,
+    rope_scaling: dict[str, Any],
+    rope_ext_factors: rx.Expr,
+    rotary_dim: int,
+    enable_disaggregation: bool,
+    dtype: str,
+    target: Target,
+    name: str = "paged_kv_cache",
+    *,
+    layer_sliding_window_size: int = 1024,
+) -> PagedKVCache:
+    """A paged KV cache like `TIRPagedKVCache(...)` (same arguments), with fast CPU attention.
+
+    For an llvm target with MHA layers and rope_mode NORMAL or NONE, this emits the same
+    `vm.builtin.paged_attention_kv_cache_create` call as TVM's llvm branch, with the ragged
+    prefill, paged prefill, paged decode and merge-state kernels of this module in place of
+    TVM's. Anything else (other targets, MLA, RopeMode.INLINE) gets `TIRPagedKVCache` itself.
+    The runtime page size must be 16, as for TVM's CPU kernels.
+    """
+    kinds = attn_kind if isinstance(attn_kind, list) else [attn_kind] * num_hidden_layers
+    if (
+        target.kind.name != "llvm"
+        or any(k == "mla" for k in kinds)
+        or int(rope_mode) == int(RopeMode.INLINE)
+    ):
+        return TIRPagedKVCache(
+            attn_kind=attn_kind,
+            max_batch_size=max_batch_size,
+            max_total_seq_len=max_total_seq_len,
+            prefill_chunk_size=prefill_chunk_size,
+            page_size=page_size,
+            support_sliding_window=support_sliding_window,
+            layer_partition=layer_partition,
+            num_hidden_layers=num_hidden_layers,
+            num_attention_heads=num_attention_heads,
+            num_key_value_heads=num_key_value_heads,
+            qk_head_dim=qk_head_dim,
+            v_head_dim=v_head_dim,
+            mla_original_qk_head_dim=mla_original_qk_head_dim,
+            mla_original_v_head_dim=mla_original_v_head_dim,
+            rope_mode=rope_mode,
+            rope_scale=rope_scale,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            rope_ext_factors=rope_ext_factors,
+            rotary_dim=rotary_dim,
+            enable_disaggregation=enable_disaggregation,
+            dtype=dtype,
+            target=target,
+            name=name,
+            layer_sliding_window_size=layer_sliding_window_size,
+        )
+
+    rope_scaling = _kv._prepare_yarn_rope_scaling(rope_scaling, rope_theta)
+    h_q, h_kv, d = num_attention_heads, num_key_value_heads, qk_head_dim
+    ps = KERNEL_PAGE_SIZE
+    bb = rx.BlockBuilder.current()
+
+    def add(func: tirx.PrimFunc, fname: str) -> rx.GlobalVar:
+        return bb.add_func(func, fname)
+
+    def tir_kernel(func: tirx.PrimFunc, fname: str) -> rx.Tuple:
+        # attention kernels are passed as ("tirx", function)
+        return rx.Tuple([tvm.ir.StringImm("tirx"), add(func, fname)])
+
+    kind_ids = [int(getattr(_kv.AttnKind, k.upper())) for k in kinds]
+    args = [
+        rx.ShapeExpr(
+            [
+                max_batch_size,
+                max_total_seq_len,
+                prefill_chunk_size,
+                page_size,
+                support_sliding_window,
+                layer_sliding_window_size,
+            ]
+        ),
+        layer_partition,
+        rx.prim_value(h_q),
+        rx.prim_value(h_kv),
+        rx.prim_value(qk_head_dim),
+        rx.prim_value(v_head_dim),
+        rx.ShapeExpr(kind_ids),
+        rx.prim_value(enable_disaggregation),
+        rx.prim_value(rope_mode),
+        rx.prim_value(rope_scale),
+        rx.prim_value(rope_theta),
+        rope_ext_factors,
+        rx.op.zeros((), dtype),
+        add(_kv._kv_cache_transpose_append(h_kv, d, dtype), "kv_cache_transpose_append"),
+        add(_kv._kv_cache_transpose_append_mla(d, dtype), "kv_cache_transpose_append_mla"),
+        # ours
+        tir_kernel(
+            attention_prefill_ragged_cpu(h_kv, h_q, d, v_head_dim, dtype),
+            "tir_attention_prefill_ragged_cpu",
+        ),
+        tir_kernel(
+            attention_prefill_paged_cpu(h_kv, h_q, d, dtype, ps), "tir_attention_prefill_cpu"
+        ),
+        tir_kernel(attention_decode_paged_cpu(h_kv, h_q, d, dtype, ps), "tir_attention_decode_cpu"),
+        # TVM's: sliding window, tree attention
+        tir_kernel(
+            _kv._attention_prefill_cpu(
+                h_kv,
+                h_q,
+                d,
+                dtype,
+                True,
+                rope_scaling,
+                sliding_window_size=layer_sliding_window_size,
+            ),
+            "tir_attention_prefill_cpu_sliding_window",
+        ),
+        tir_kernel(
+            _kv._attention_decode_cpu(h_kv, h_q, d, dtype, True, rope_scaling),
+            "tir_attention_decode_cpu_sliding_window",
+        ),
+        tir_kernel(
+            _kv.tree_attn_cpu(h_kv, h_q, d, dtype, rope_scaling),
+            "tir_attention_prefill_with_tree_mask_cpu",
+        ),
+        tir_kernel(
+            _kv.tree_attn_with_paged_kv_cache_cpu(h_kv, h_q, d, dtype, rope_scaling),
+            "tir_attention_prefill_with_tree_mask_with_paged_kv_cache_cpu",
+        ),
+        rx.Tuple([]),  # no MLA prefill
+        rx.Tuple(
+            [add(merge_state_inplace_cpu(h_q, v_head_dim, dtype), "tir_attention_merge_state_cpu")]
+        ),
+        add(
+            _kv.llama_rope_with_position_map(
+                rope_theta, rope_scale, d, h_q, h_kv, dtype, rope_scaling, rotary_dim
+            ),
+            "tir_split_rotary",
+        ),
+        add(_kv._copy_single_page_cpu(h_kv, page_size, d, dtype), "kv_cache_copy_single_page_cpu"),
+        add(_kv._kv_cache_debug_get_kv(num_hidden_layers, h_kv, d, dtype), "kv_cache_debug_get_kv"),
+        add(_kv._compact_kv_copy_cpu(h_kv, d, dtype), "kv_cache_compact_kv_copy_cpu"),
+    ]
+    return PagedKVCache(
+        _expr=rx.call_pure_packed(
+            "vm.builtin.paged_attention_kv_cache_create", *args, ty_args=rx.AnyType()
+        ),
+        _name=name,
+    )
