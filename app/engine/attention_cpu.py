@@ -299,6 +299,13 @@ def attention_prefill_ragged_cpu(
         )
         output = T.match_buffer(var_output, (qo_len, h_q, d_v), dtype)
         lse = T.match_buffer(var_lse, (qo_len, h_q), "float32")
+        # unused (rope is applied before attention), matched for their shapes and offsets
+        _q_rope_position = T.match_buffer(
+            var_q_rope_position, (qo_len,), "int32", elem_offset=T.int32()
+        )
+        _k_rope_pos_offset = T.match_buffer(
+            var_k_rope_pos_offset, (batch_size,), "int32", elem_offset=T.int32()
+        )
         qf = T.decl_buffer((qo_len * h_q * d_qk,), dtype, data=q.data)
         kf = T.decl_buffer((kv_len * h_kv * d_qk,), dtype, data=k.data)
         vf = T.decl_buffer((kv_len * h_kv * d_v,), dtype, data=v.data)
@@ -386,6 +393,12 @@ def attention_prefill_paged_cpu(
         )
         output = T.match_buffer(var_output, (total_len, h_q, d), dtype)
         lse = T.match_buffer(var_lse, (total_len, h_q), "float32")
+        _q_rope_position = T.match_buffer(
+            var_q_rope_position, (total_len,), "int32", elem_offset=T.int32()
+        )
+        _k_rope_pos_offset = T.match_buffer(
+            var_k_rope_pos_offset, (batch_size,), "int32", elem_offset=T.int32()
+        )
         length_info = T.match_buffer(
             var_length_info, (batch_size,), "int32", elem_offset=length_info_elem_offset
         )
@@ -500,6 +513,12 @@ def attention_decode_paged_cpu(
         )
         output = T.match_buffer(output_handle, (B, h_q, d), dtype)
         lse = T.match_buffer(lse_handle, (B, h_q), "float32")
+        _q_rope_position = T.match_buffer(
+            q_rope_position_handle, (B,), "int32", elem_offset=T.int32()
+        )
+        _k_rope_pos_offset = T.match_buffer(
+            k_rope_pos_offset_handle, (B,), "int32", elem_offset=T.int32()
+        )
         length_info = T.match_buffer(
             var_length_info, (B,), "int32", elem_offset=length_info_elem_offset
         )
