@@ -1,0 +1,44 @@
+"""The GPU paths compile: CUDA cross-compiles with nvcc (skipped without it), Metal generates
+its shader source. Running them needs the GPU, which tests/test_gpu.py checks where present."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import tvm
+from llama_variants import build_variant
+
+from localchat.engine.compile import compile_library, export_module
+from localchat.engine.convert import read_hf_config
+from localchat.engine.device import cuda_target, metal_target
+from localchat.engine.models import detect_architecture
+from localchat.engine.quantization import get_quant_mode
+
+
+def _model(quant: str):
+    hf = read_hf_config(build_variant("qwen2"))
+    arch = detect_architecture(hf)
+    return arch, arch.config_from_hf(hf), get_quant_mode(quant)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+@pytest.mark.parametrize("quant", ["q4f16_1", "q0f16"])
+def test_cuda_library_cross_compiles(tmp_path: Path, quant: str) -> None:
+    arch, cfg, mode = _model(quant)
+    lib = compile_library(arch, cfg, mode, cuda_target("sm_80"), tmp_path)
+    assert lib.compiled and lib.path.stat().st_size > 0
+    again = compile_library(arch, cfg, mode, cuda_target("sm_80"), tmp_path)
+    assert again.compiled is False and again.path == lib.path
+
+
+def test_metal_codegen() -> None:
+    arch, cfg, mode = _model("q4f16_1")
+    target = metal_target()
+    mod, _ = export_module(arch, cfg, mode, target)
+    from localchat.engine.compile import relax_pipeline
+
+    ex = tvm.compile(mod, target=target, relax_pipeline=relax_pipeline(target))
+    sources = [m.inspect_source() for m in ex.mod.imports if m.kind == "metal"]
+    assert sources and "kernel void" in sources[0]
