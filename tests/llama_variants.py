@@ -59,7 +59,9 @@ def build_variant(name: str) -> Path:
     cls_name, extra = VARIANTS[name]
     kwargs = {**BASE, **extra}
     digest = hashlib.sha256(
-        json.dumps([cls_name, kwargs, transformers.__version__, "head=embed"], sort_keys=True).encode()
+        json.dumps(
+            [cls_name, kwargs, transformers.__version__, "head=embed"], sort_keys=True
+        ).encode()
     ).hexdigest()[:10]
     out = cache_dir() / "variants" / f"{name}-{digest}"
     if (out / "config.json").exists():

@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 import tvm
-from llama_variants import build_variant
 
 from localchat.engine.compile import compile_library, export_module
 from localchat.engine.convert import read_hf_config
 from localchat.engine.device import cuda_target, metal_target
 from localchat.engine.models import detect_architecture
 from localchat.engine.quantization import get_quant_mode
+
+from llama_variants import build_variant
 
 
 def _model(quant: str):

@@ -9,13 +9,24 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from llama_variants import build_variant
 
 
 def convert(src: Path, out: Path, quant: str = "q0f32") -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "localchat.cli", "convert", str(src), "--quant", quant,
-         "--output", str(out), "--no-compile"],
+        [
+            sys.executable,
+            "-m",
+            "localchat.cli",
+            "convert",
+            str(src),
+            "--quant",
+            quant,
+            "--output",
+            str(out),
+            "--no-compile",
+        ],
         capture_output=True,
         text=True,
     )

@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from fixtures import converted
-from llama_variants import VARIANTS, build_variant
 
 from localchat.engine.runtime import Model
+
+from fixtures import converted
+from llama_variants import VARIANTS, build_variant
 
 PROMPT = [int(t) for t in np.random.RandomState(7).randint(0, 512, 24)]
 STEPS = 20

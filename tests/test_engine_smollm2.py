@@ -11,9 +11,10 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from fixtures import converted, smollm2_hf_dir
 
 from localchat.engine.runtime import Model
+
+from fixtures import converted, smollm2_hf_dir
 
 PROMPT = "Here is a short story about a lighthouse keeper who finds a message in a bottle:"
 

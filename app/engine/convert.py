@@ -79,7 +79,7 @@ def _model_params(
             words, scale = quantize_q4(value, mode.dtype)
             pairs = [(name, words), (scale_name, scale)]
         else:
-            pairs = [(name, value.astype(mode.dtype))]
+            pairs = [(name, value.astype(str(expected[name].dtype)))]
         for pname, array in pairs:
             want = tuple(int(d) for d in expected[pname].shape)
             if tuple(array.shape) != want:

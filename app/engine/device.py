@@ -115,7 +115,9 @@ def select_device(requested: str = "auto") -> Device:
                 return Device(kind, _target_for(kind))
         return Device("cpu", cpu_target())
     if requested not in DEVICE_KINDS:
-        raise DeviceError(f"unknown device {requested!r} (choose from auto, {', '.join(DEVICE_KINDS)})")
+        raise DeviceError(
+            f"unknown device {requested!r} (choose from auto, {', '.join(DEVICE_KINDS)})"
+        )
     if not backend_supported(requested):
         raise DeviceError(f"this TVM build has no {requested} support")
     if not device_present(requested):

@@ -87,9 +87,11 @@ def _linear(k: int, n: int, dtype: str, bias: bool, quantized: bool) -> tirx.Pri
             for ii in T.unroll(rows):
                 for jj in T.unroll(ct):
                     for e in T.vectorized(LANES):
-                        acc[ii, jj, e] = acc[ii, jj, e] + T.Cast(
-                            acc_t, x[i0 + ii, kk * LANES + e]
-                        ) * wbuf[jt + jj, kk * LANES + e]
+                        acc[ii, jj, e] = (
+                            acc[ii, jj, e]
+                            + T.Cast(acc_t, x[i0 + ii, kk * LANES + e])
+                            * wbuf[jt + jj, kk * LANES + e]
+                        )
         for ii, jj in T.grid(rows, ct):
             red = T.alloc_buffer((1,), acc_t, scope="local")
             red[0] = T.float32(0)

@@ -29,6 +29,7 @@ from localchat.engine.tokenizer import Tokenizer, load_tokenizer, read_json
 from localchat.errors import GenerationError, ModelConfigError, ModelNotFoundError
 
 PAGE_SIZE = 16
+RNN_HISTORY = 1  # RNN-state slots kept per sequence (1: no rollback, popn unsupported)
 _LOAD_LOCK = threading.Lock()  # the runtime's tensor cache is one per process
 
 
@@ -130,7 +131,7 @@ class Model:
     def _create_state(self) -> Any:
         if self.arch.state == "rnn":
             return self.vm["create_rnn_state"](
-                ShapeTuple([self.max_batch_size]), ShapeTuple([self.max_total_tokens])
+                ShapeTuple([self.max_batch_size]), ShapeTuple([RNN_HISTORY])
             )
         return self.vm["create_paged_kv_cache"](
             ShapeTuple([self.max_batch_size]),
@@ -264,7 +265,7 @@ class Model:
         """Bytes the KV cache (or RNN state) holds for its full capacity."""
         cfg = self.config
         if self.arch.state == "rnn":
-            return int(getattr(self.arch, "state_bytes")(cfg, self.max_batch_size))
+            return int(self.arch.state_bytes(cfg, self.max_batch_size))
         per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
         itemsize = np.dtype(self.mode.dtype).itemsize
         pages = -(-self.max_total_tokens // PAGE_SIZE) + self.max_batch_size

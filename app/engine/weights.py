@@ -90,7 +90,9 @@ class _SafetensorsSource(WeightSource):
                     f"but the file has {size} bytes (re-download it)"
                 )
             if info["dtype"] not in _ST_DTYPES:
-                raise WeightsError(f"{path.name}: tensor {name} has unsupported dtype {info['dtype']}")
+                raise WeightsError(
+                    f"{path.name}: tensor {name} has unsupported dtype {info['dtype']}"
+                )
             self._where[name] = (mm, data_start + begin, data_start + end, info)
 
     def _read(self, name: str) -> np.ndarray:
@@ -177,8 +179,10 @@ class _TorchZipSource(WeightSource):
             state = _WeightsOnlyUnpickler(zf.open(pkl)).load()
         except (pickle.UnpicklingError, EOFError, zipfile.BadZipFile) as exc:
             raise WeightsError(f"{path.name}: cannot read ({exc})") from None
-        if isinstance(state, dict) and "state_dict" in state and isinstance(
-            state["state_dict"], dict
+        if (
+            isinstance(state, dict)
+            and "state_dict" in state
+            and isinstance(state["state_dict"], dict)
         ):
             state = state["state_dict"]
         if not isinstance(state, dict):
@@ -199,12 +203,16 @@ class _TorchZipSource(WeightSource):
         count = int(np.prod(size)) if size else 1
         if size and offset + sum((s - 1) * st for s, st in zip(size, stride)) >= flat.size:
             raise WeightsError(f"tensor {name} lies outside its storage (corrupt checkpoint)")
-        view = np.lib.stride_tricks.as_strided(
-            flat[offset:],
-            shape=size,
-            strides=tuple(st * itemsize for st in stride),
-            writeable=False,
-        ) if size else flat[offset : offset + count].reshape(())
+        view = (
+            np.lib.stride_tricks.as_strided(
+                flat[offset:],
+                shape=size,
+                strides=tuple(st * itemsize for st in stride),
+                writeable=False,
+            )
+            if size
+            else flat[offset : offset + count].reshape(())
+        )
         arr = np.ascontiguousarray(view)
         return bf16_to_f32(arr) if is_bf16 else arr
 

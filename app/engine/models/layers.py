@@ -64,8 +64,10 @@ def linear(
         x2 = op.reshape(x, (rows, k))
         make = kernels_cpu.linear_q4 if mode.quantized else kernels_cpu.linear_f
         func = make(int(k), int(n), mode.dtype, bias is not None)
-        args = [x2, weight] + ([scale] if scale is not None else []) + (
-            [bias] if bias is not None else []
+        args = (
+            [x2, weight]
+            + ([scale] if scale is not None else [])
+            + ([bias] if bias is not None else [])
         )
         out = op.tensor_ir_op(
             func,

@@ -260,7 +260,11 @@ class LlamaForCausalLM(nn.Module):
                 "paged_kv_cache": cache,
                 **packed,
             },
-            "decode": {"input_embed": nn.spec.Tensor([1, h], dt), "paged_kv_cache": cache, **packed},
+            "decode": {
+                "input_embed": nn.spec.Tensor([1, h], dt),
+                "paged_kv_cache": cache,
+                **packed,
+            },
             "batch_prefill": {
                 "input_embeds": nn.spec.Tensor(["seq_len", h], dt),
                 "logit_positions": nn.spec.Tensor(["batch_size"], "int32"),
