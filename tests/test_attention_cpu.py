@@ -8,17 +8,19 @@ causal attention with HF-style rotary embedding.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
 import tvm
-from localchat.engine import attention_cpu
-from localchat.engine.attention_cpu import create_paged_kv_cache_cpu
 from tvm import relax
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
 from tvm.runtime import ShapeTuple
+
+from localchat.engine import attention_cpu
+from localchat.engine.attention_cpu import create_paged_kv_cache_cpu
 
 TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
 ROPE_THETA = 10000.0
@@ -31,6 +33,7 @@ _kv_begin = tvm.get_global_func("vm.builtin.kv_state_begin_forward")
 _kv_end = tvm.get_global_func("vm.builtin.kv_state_end_forward")
 
 
+@functools.cache
 def _build(factory, h_q: int, h_kv: int, d: int, dtype: str = "float32") -> relax.VirtualMachine:
     class AttnOnly(nn.Module):
         def attn(self, qkv: nn.Tensor, cache: PagedKVCache) -> nn.Tensor:
@@ -104,8 +107,10 @@ class _Seq:
 class Session:
     """One cache on one compiled module, with a numpy reference of what the cache holds."""
 
-    def __init__(self, vm: relax.VirtualMachine, h_q: int, h_kv: int, d: int) -> None:
-        self.vm, self.h_q, self.h_kv, self.d = vm, h_q, h_kv, d
+    def __init__(
+        self, vm: relax.VirtualMachine, h_q: int, h_kv: int, d: int, dtype: str = "float32"
+    ) -> None:
+        self.vm, self.h_q, self.h_kv, self.d, self.dtype = vm, h_q, h_kv, d, dtype
         self.cache = vm["create_paged_kv_cache"](
             ShapeTuple([4]),
             ShapeTuple([1024]),
@@ -126,6 +131,7 @@ class Session:
 
     def forward(self, chunks: dict[int, np.ndarray], decode: bool = False):
         """Append chunks[seq] (qkv [n, h_q + 2 h_kv, d]) to each sequence; (ours, reference)."""
+        chunks = {i: c.astype(self.dtype) for i, c in chunks.items()}
         ids = list(chunks)
         lens = [len(chunks[i]) for i in ids]
         if decode:
@@ -135,6 +141,7 @@ class Session:
             qkv = np.concatenate([chunks[i] for i in ids])[None]  # [1, n, H, d]
         _kv_begin(self.cache, ShapeTuple(ids), ShapeTuple(lens))
         out = self.vm["attn"](tvm.runtime.tensor(qkv, tvm.cpu()), self.cache).numpy()
+        out = out.astype("float64")
         _kv_end(self.cache)
         out = out.reshape(sum(lens), self.h_q, self.d)
         return out, np.concatenate([self._reference(i, chunks[i]) for i in ids])
@@ -266,6 +273,19 @@ def test_long_prefill_and_decode():
         chunks = {0: _qkv(rng, n, cfg)}
         got, ref = s.forward(chunks, decode=n == 1)
         _close(got, ref)
+
+
+def test_float16():
+    # float16 storage, float32 accumulation: error is that of the float16 inputs and output
+    h_q, h_kv, d = 4, 2, 64
+    ours = _build(create_paged_kv_cache_cpu, h_q, h_kv, d, "float16")
+    s = Session(ours, h_q, h_kv, d, "float16")
+    rng = np.random.default_rng(7)
+    cfg = ((h_q, h_kv, d), ours, None)
+    s.add(0)
+    for n in (40, 25, 1, 1):
+        got, ref = s.forward({0: _qkv(rng, n, cfg)}, decode=n == 1)
+        _close(got, ref, tol=2e-3)
 
 
 def test_falls_back_for_inline_rope_and_other_targets():

@@ -141,7 +141,9 @@ def _prefill_macros(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str, paged:
         # Keys visible to each query row: col < lim (causal: kv_n - qo_n + row + 1).
         for e in T.vectorized(LANES):
             lim[e] = T.if_then_else(causal > 0, T.min(kv_n, kv_n - qo_n + q0 + e + 1), kv_n)
-        kv_stop = T.if_then_else(causal > 0, T.max(T.min(kv_n, kv_n - qo_n + q0 + nq), 0), kv_n)
+        kv_stop: T.let[T.int32] = T.if_then_else(
+            causal > 0, T.max(T.min(kv_n, kv_n - qo_n + q0 + nq), 0), kv_n
+        )
         for r in T.vectorized(rows):
             m[r] = T.float32(NEG_INF)
             lsum[r] = T.float32(0)
@@ -150,13 +152,13 @@ def _prefill_macros(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str, paged:
                 o[r, c] = T.float32(0)
 
         for kb in range((kv_stop + KEY_BLOCK - 1) // KEY_BLOCK):
-            j0 = kb * KEY_BLOCK
-            nk = T.min(KEY_BLOCK, kv_stop - j0)
+            j0: T.let[T.int32] = kb * KEY_BLOCK
+            nk: T.let[T.int32] = T.min(KEY_BLOCK, kv_stop - j0)
             # Element offsets of the block's K and V rows (past the end: repeat the last row).
             for jj in range(KEY_BLOCK):
-                jc = T.min(j0 + jj, kv_stop - 1)
+                jc: T.let[T.int32] = T.min(j0 + jj, kv_stop - 1)
                 if paged:
-                    pg = page_values[kv_base + jc // ps]
+                    pg: T.let[T.int32] = page_values[kv_base + jc // ps]
                     koff[jj] = ((pg * 2 * h_kv + hk) * ps + jc % ps) * d_qk
                     voff[jj] = (((pg * 2 + 1) * h_kv + hk) * ps + jc % ps) * d_v
                 else:
@@ -186,9 +188,7 @@ def _prefill_macros(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str, paged:
                     for e in T.vectorized(LANES):
                         mx[e] = T.max(
                             mx[e],
-                            T.if_then_else(
-                                j0 + jj < lim[e], s_t[jj, g * LANES + e], T.float32(NEG_INF)
-                            ),
+                            T.Select(j0 + jj < lim[e], s_t[jj, g * LANES + e], T.float32(NEG_INF)),
                         )
                 for e in T.vectorized(LANES):
                     alpha[g * LANES + e] = _exp2(m[g * LANES + e] - mx[e])
@@ -196,7 +196,7 @@ def _prefill_macros(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str, paged:
                     ls[e] = T.float32(0)
                 for jj in range(nk):
                     for e in T.vectorized(LANES):
-                        s_t[jj, g * LANES + e] = T.if_then_else(
+                        s_t[jj, g * LANES + e] = T.Select(
                             j0 + jj < lim[e],
                             _exp2(s_t[jj, g * LANES + e] - mx[e]),
                             T.float32(0),
@@ -227,8 +227,8 @@ def _prefill_macros(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str, paged:
         # Normalize and store the rows that exist.
         for g in range(group):
             for e in range(nq):
-                tok = b_tok0 + q0 + e
-                r = g * LANES + e
+                tok: T.let[T.int32] = b_tok0 + q0 + e
+                r: T.let[T.int32] = g * LANES + e
                 if lsum[r] > T.float32(0):
                     for c in T.vectorized(d_v):
                         outf[(tok * h_q + hk * group + g) * d_v + c] = T.Cast(
@@ -247,7 +247,7 @@ def _prefill_macros(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str, paged:
         loc[1] = 0
         loc[2] = 0
         for bb in range(batch_size):
-            nqb = (q_indptr[bb + 1] - q_indptr[bb] + LANES - 1) // LANES
+            nqb: T.let[T.int32] = (q_indptr[bb + 1] - q_indptr[bb] + LANES - 1) // LANES
             if t >= loc[2] and t < loc[2] + nqb:
                 loc[0] = bb
                 loc[1] = t - loc[2]
@@ -311,17 +311,17 @@ def attention_prefill_ragged_cpu(
         vf = T.decl_buffer((kv_len * h_kv * d_v,), dtype, data=v.data)
         outf = T.decl_buffer((qo_len * h_q * d_v,), dtype, data=output.data)
 
-        scale = sm_scale * T.float32(LOG2E)
-        n_items = h_kv * ((qo_len + LANES - 1) // LANES + batch_size)
+        scale: T.let[T.float32] = sm_scale * T.float32(LOG2E)
+        n_items: T.let[T.int32] = h_kv * ((qo_len + LANES - 1) // LANES + batch_size)
         with T.attr(0, "pragma_parallel_launch_point", 1):
             with T.attr(0, "pragma_parallel_stride_pattern", 1):
                 for w in T.parallel(n_items):
                     loc = T.alloc_buffer((3,), "int32")
                     locate(loc, w // h_kv, q_indptr, batch_size)
                     if loc[0] >= 0:
-                        b: T.int32 = loc[0]
-                        qo_n: T.int32 = q_indptr[b + 1] - q_indptr[b]
-                        q0: T.int32 = loc[1] * LANES
+                        b: T.let[T.int32] = loc[0]
+                        qo_n: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
+                        q0: T.let[T.int32] = loc[1] * LANES
                         seq_block(
                             qf,
                             outf,
@@ -406,18 +406,18 @@ def attention_prefill_paged_cpu(
         pf = T.decl_buffer((max_num_pages * 2 * h_kv * page_size * d,), dtype, data=pages.data)
         outf = T.decl_buffer((total_len * h_q * d,), dtype, data=output.data)
 
-        scale = sm_scale * T.float32(LOG2E)
-        n_items = h_kv * ((total_len + LANES - 1) // LANES + batch_size)
+        scale: T.let[T.float32] = sm_scale * T.float32(LOG2E)
+        n_items: T.let[T.int32] = h_kv * ((total_len + LANES - 1) // LANES + batch_size)
         with T.attr(0, "pragma_parallel_launch_point", 1):
             with T.attr(0, "pragma_parallel_stride_pattern", 1):
                 for w in T.parallel(n_items):
                     loc = T.alloc_buffer((3,), "int32")
                     locate(loc, w // h_kv, q_indptr, batch_size)
                     if loc[0] >= 0:
-                        b: T.int32 = loc[0]
-                        qo_n: T.int32 = q_indptr[b + 1] - q_indptr[b]
-                        q0: T.int32 = loc[1] * LANES
-                        npg: T.int32 = page_indptr[b + 1] - page_indptr[b]
+                        b: T.let[T.int32] = loc[0]
+                        qo_n: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
+                        q0: T.let[T.int32] = loc[1] * LANES
+                        npg: T.let[T.int32] = page_indptr[b + 1] - page_indptr[b]
                         seq_block(
                             qf,
                             outf,
@@ -527,7 +527,7 @@ def attention_decode_paged_cpu(
         part_o = T.alloc_buffer((B * h_kv * n_split, group, d), f32)
         part_m = T.alloc_buffer((B * h_kv * n_split, group), f32)
         part_l = T.alloc_buffer((B * h_kv * n_split, group), f32)
-        scale = sm_scale * T.float32(LOG2E)
+        scale: T.let[T.float32] = sm_scale * T.float32(LOG2E)
 
         with T.attr(0, "pragma_parallel_launch_point", 1):
             with T.attr(0, "pragma_parallel_stride_pattern", 1):
@@ -540,20 +540,20 @@ def attention_decode_paged_cpu(
                     ml = T.alloc_buffer((2, group), f32)  # running max, running sum
                     alpha = T.alloc_buffer((group,), f32)
                     koff = T.alloc_buffer((blk,), "int32")
-                    split: T.int32 = w % n_split
-                    hk: T.int32 = (w // n_split) % h_kv
-                    b: T.int32 = w // (n_split * h_kv)
-                    pbeg: T.int32 = page_table_indptr[b]
-                    npg: T.int32 = page_table_indptr[b + 1] - pbeg
-                    kv_n: T.int32 = T.if_then_else(
+                    split: T.let[T.int32] = w % n_split
+                    hk: T.let[T.int32] = (w // n_split) % h_kv
+                    b: T.let[T.int32] = w // (n_split * h_kv)
+                    pbeg: T.let[T.int32] = page_table_indptr[b]
+                    npg: T.let[T.int32] = page_table_indptr[b + 1] - pbeg
+                    kv_n: T.let[T.int32] = T.if_then_else(
                         npg > 0, (npg - 1) * page_size + length_info[b], 0
                     )
-                    used: T.int32 = T.max(
+                    used: T.let[T.int32] = T.max(
                         T.min((kv_n + DECODE_MIN_SPLIT - 1) // DECODE_MIN_SPLIT, n_split), 1
                     )
-                    span: T.int32 = ((kv_n + used - 1) // used + blk - 1) // blk * blk
-                    k_beg: T.int32 = split * span
-                    k_end: T.int32 = T.min(kv_n, k_beg + span)
+                    span: T.let[T.int32] = ((kv_n + used - 1) // used + blk - 1) // blk * blk
+                    k_beg: T.let[T.int32] = split * span
+                    k_end: T.let[T.int32] = T.min(kv_n, k_beg + span)
                     for g in T.unroll(group):
                         for c in T.vectorized(d):
                             ql[g, c] = T.Cast(f32, Q[b, hk * group + g, c]) * scale
@@ -561,10 +561,10 @@ def attention_decode_paged_cpu(
                         ml[0, g] = T.float32(NEG_INF)
                         ml[1, g] = T.float32(0)
                     for kb in range((T.max(k_end - k_beg, 0) + blk - 1) // blk):
-                        j0 = k_beg + kb * blk
-                        nk = T.min(blk, k_end - j0)
+                        j0: T.let[T.int32] = k_beg + kb * blk
+                        nk: T.let[T.int32] = T.min(blk, k_end - j0)
                         for jj in range(blk):
-                            jc = T.min(j0 + jj, k_end - 1)
+                            jc: T.let[T.int32] = T.min(j0 + jj, k_end - 1)
                             koff[jj] = (
                                 (page_table_values[pbeg + jc // page_size] * 2 * h_kv + hk)
                                 * page_size
@@ -587,13 +587,13 @@ def attention_decode_paged_cpu(
                         # online softmax over the block
                         for g in T.unroll(group):
                             for e in T.vectorized(blk):
-                                red[g, e] = T.if_then_else(e < nk, s[g, e], T.float32(NEG_INF))
+                                red[g, e] = T.Select(e < nk, s[g, e], T.float32(NEG_INF))
                             hreduce(red, g, blk, maximum)
-                            mx: T.float32 = T.max(ml[0, g], red[g, 0])
+                            mx: T.let[T.float32] = T.max(ml[0, g], red[g, 0])
                             alpha[g] = _exp2(ml[0, g] - mx)
                             ml[0, g] = mx
                             for e in T.vectorized(blk):
-                                s[g, e] = T.if_then_else(e < nk, _exp2(s[g, e] - mx), T.float32(0))
+                                s[g, e] = T.Select(e < nk, _exp2(s[g, e] - mx), T.float32(0))
                                 red[g, e] = s[g, e]
                             hreduce(red, g, blk, add)
                             ml[1, g] = ml[1, g] * alpha[g] + red[g, 0]
@@ -665,7 +665,7 @@ def merge_state_inplace_cpu(h: int, d: int, dtype: str) -> tirx.PrimFunc:
             st = T.alloc_buffer((4,), f32)  # max, weight, other weight, 1 / (weight + other)
             for i in range(T.min(rows_per_item, N - item * rows_per_item)):
                 for hh in range(h):
-                    n: T.int32 = item * rows_per_item + i
+                    n: T.let[T.int32] = item * rows_per_item + i
                     st[0] = T.max(S[n, hh], S_other[n, hh])
                     st[1] = _exp2(S[n, hh] - st[0])
                     st[2] = _exp2(S_other[n, hh] - st[0])
