@@ -41,5 +41,11 @@ def test_metal_codegen() -> None:
     from localchat.engine.compile import relax_pipeline
 
     ex = tvm.compile(mod, target=target, relax_pipeline=relax_pipeline(target))
-    sources = [m.inspect_source() for m in ex.mod.imports if m.kind == "metal"]
+
+    def modules(m):
+        yield m
+        for child in m.imports:
+            yield from modules(child)
+
+    sources = [m.inspect_source() for m in modules(ex.mod) if m.kind == "metal"]
     assert sources and "kernel void" in sources[0]

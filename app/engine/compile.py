@@ -68,8 +68,34 @@ def export_module(arch: Architecture, config: Any, mode: QuantMode, target: Targ
 
 
 def relax_pipeline(target: Target) -> tvm.transform.Pass:
-    """Our Relax pipeline: TVM's default for the target kind; GPUs get dlight rules from it."""
-    return relax.get_default_pipeline(target)
+    """Our Relax pipeline: TVM's default for the target kind; GPUs get dlight rules from it.
+
+    Metal differs in one rule: dlight's gpu.Matmul crashes (segfault) while scheduling for a
+    metal target in TVM 0.27, so there matmuls are scheduled by the GEMV/fallback rules.
+    """
+    if target.kind.name != "metal":
+        return relax.get_default_pipeline(target)
+    from tvm.relax.backend import gpu_generic
+    from tvm.s_tir import dlight as dl
+
+    legalize = gpu_generic.legalize_passes(target)[:-1] + [
+        dl.ApplyDefaultSchedule(
+            dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()
+        )
+    ]
+    passes = (
+        gpu_generic.library_dispatch_passes(target)
+        + legalize
+        + gpu_generic.dataflow_lower_passes(target)
+        + gpu_generic.finalize_passes(target)
+    )
+
+    @tvm.transform.module_pass(opt_level=0)
+    def pipeline(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        with target:
+            return tvm.transform.Sequential(passes)(mod)
+
+    return pipeline
 
 
 def compile_library(
