@@ -128,6 +128,8 @@ def _write_reply(stream: Any, echo: bool) -> Any:
 def _report_end(reply: Any, args: argparse.Namespace) -> None:
     if reply.finish_reason == "cancelled":
         _log("[stopped]")
+    if reply.stats.dropped_messages:
+        _log(f"(dropped the {reply.stats.dropped_messages} oldest messages to fit the context)")
     if reply.message:
         _log(f"localchat: {reply.message}")
     if args.stats:
@@ -135,9 +137,7 @@ def _report_end(reply: Any, args: argparse.Namespace) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from localchat.engine.chat import Engine
     from localchat.engine.generation_config import GenerationConfig
-    from localchat.engine.runtime import Model
 
     message = args.message
     interactive = message is None and sys.stdin.isatty()
@@ -167,6 +167,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         resolve_template(model_dir, args.template)
     if args.context_window is not None and args.context_window < 2:
         raise LocalchatError(f"--context-window must be at least 2, got {args.context_window}")
+    from localchat.engine.chat import Engine  # imports TVM: after the cheap checks
+    from localchat.engine.runtime import Model
+
     model = Model(model_dir, args.device, max_total_tokens=args.context_window)
     engine = Engine(
         model,

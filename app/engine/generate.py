@@ -1,127 +1,566 @@
-"""The plain generation loop: prefill a prompt, then decode token by token, with timing stats.
+"""The generation loop: a scheduler thread that runs every active reply of one model together.
 
-This is the raw-completion path of `localchat run`; the chat engine builds conversations,
-templates and richer sampling on the same `Model` calls.
+Each loop turn admits waiting requests (a sequence slot for each, evicting the state of idle
+conversations when slots run out), feeds one prefill chunk (several requests' chunks batched in
+one call), then advances every decoding request by one token in one batched `Model.decode`
+call. Cancellation is a flag the loop reads before every step, so a reply stops within one
+decode step (or one prefill chunk). Callers get a `ReplyStream`: an iterator of events.
 """
 
 from __future__ import annotations
 
+import itertools
+import queue
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from typing import Protocol
 
-import numpy as np
+from localchat.engine.detokenizer import TextStream
+from localchat.engine.events import Event, FinishEvent, Reply, ReplyStats, TokenEvent
+from localchat.engine.generation_config import GenerationConfig
+from localchat.engine.runtime import Model, Sequence
+from localchat.engine.sampler import Sampler, sample_batch
+from localchat.errors import GenerationError, LocalchatError
 
-from localchat.engine.runtime import Model
-from localchat.errors import GenerationError
-
-
-@dataclass
-class GenerationStats:
-    """Timings of one completion."""
-
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    ttft_s: float = 0.0
-    prefill_tok_s: float = 0.0
-    decode_tok_s: float = 0.0
-
-    def to_dict(self) -> dict[str, float | int]:
-        return asdict(self)
+_request_ids = itertools.count(1)
 
 
-@dataclass
-class Completion:
-    """What a completion produced."""
+class SequenceHolder(Protocol):
+    """Who keeps a sequence between replies (a conversation); the scheduler may evict it."""
 
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    stats: GenerationStats = field(default_factory=GenerationStats)
+    last_used: float
 
+    def holds_idle_sequence(self) -> bool:
+        """True when it holds a sequence and no reply of its is waiting or running."""
+        ...
 
-def pick_token(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
-    """Greedy at temperature 0, else a sample from softmax(logits / temperature)."""
-    if temperature == 0:
-        return int(np.argmax(logits))
-    z = logits.astype(np.float64) / temperature
-    z -= z.max()
-    p = np.exp(z)
-    p /= p.sum()
-    return int(rng.choice(p.size, p=p))
+    def evict_sequence(self) -> Sequence | None:
+        """Forget its sequence (its next reply re-prefills) and return it for removal."""
+        ...
+
+    def reply_finished(self, request: Request, reply: Reply | None) -> None:
+        """Called under the scheduler lock when its reply ends (None: it failed)."""
+        ...
 
 
-def generate_tokens(
-    model: Model,
-    prompt_ids: list[int],
-    max_tokens: int,
-    choose: Callable[[np.ndarray], int],
-    stats: GenerationStats,
-    stop_ids: set[int] | None = None,
-) -> Iterator[int]:
-    """Yield generated token ids until a stop id (not yielded) or `max_tokens`."""
-    if max_tokens < 1:
-        raise GenerationError("max_tokens must be at least 1")
-    if not prompt_ids:
-        raise GenerationError("the prompt is empty")
-    seq = model.new_sequence()
-    try:
-        start = time.perf_counter()
-        logits = model.prefill(seq, prompt_ids)
-        token = choose(logits)
-        first = time.perf_counter()
-        stats.prompt_tokens = len(prompt_ids)
-        stats.ttft_s = first - start
-        stats.prefill_tok_s = len(prompt_ids) / max(stats.ttft_s, 1e-9)
-        produced = 0
+class ReplyStream:
+    """The caller's end of one reply: iterate it for events; `cancel()` from any thread.
+
+    Iteration yields `TokenEvent`s then one `FinishEvent`; an engine failure is raised from
+    the iteration. One thread should consume it; `wait()` can be used from others.
+    """
+
+    def __init__(self, request_id: int) -> None:
+        self.id = request_id
+        self._queue: queue.SimpleQueue[Event | BaseException] = queue.SimpleQueue()
+        self._finished = threading.Event()
+        self._exhausted = False
+        self._cancelled = False
+        self._pieces: list[str] = []
+        self.reply: Reply | None = None  # set when the reply is finished
+        self.error: BaseException | None = None
+
+    def __iter__(self) -> ReplyStream:
+        return self
+
+    def __next__(self) -> Event:
+        if self._exhausted:
+            raise StopIteration
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            self._exhausted = True
+            raise item
+        if item.text:
+            self._pieces.append(item.text)
+        if isinstance(item, FinishEvent):
+            self._exhausted = True
+        return item
+
+    def __enter__(self) -> ReplyStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._finished.is_set():
+            self.cancel()
+
+    def cancel(self) -> None:
+        """Stop the reply; it ends with finish reason "cancelled" within one step.
+
+        Only sets a flag, so it is safe from any thread and from a signal handler.
+        """
+        self._cancelled = True
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether cancel() was called."""
+        return self._cancelled
+
+    @property
+    def done(self) -> bool:
+        """Whether the reply has finished (or failed)."""
+        return self._finished.is_set()
+
+    @property
+    def text(self) -> str:
+        """The text consumed from the stream so far."""
+        return "".join(self._pieces)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the reply has finished, without consuming events; False on timeout."""
+        return self._finished.wait(timeout)
+
+    def texts(self) -> Iterator[str]:
+        """The non-empty text pieces of the reply, in order."""
+        for event in self:
+            if event.text:
+                yield event.text
+
+    def result(self) -> Reply:
+        """Consume the rest of the stream and return the finished reply."""
+        for _ in self:
+            pass
+        if self.error is not None and self.reply is None:
+            raise self.error
+        assert self.reply is not None
+        return self.reply
+
+    # -- scheduler side ----------------------------------------------------------------------
+    def _put(self, item: Event | BaseException) -> None:
+        self._queue.put(item)
+
+
+@dataclass(eq=False)
+class Request:
+    """One reply to generate: the tokens to prefill, how to sample, where events go."""
+
+    prompt_ids: list[int]
+    config: GenerationConfig
+    stop_token_ids: frozenset[int]
+    stop_strings: tuple[str, ...]
+    window: int
+    tokenizer: object
+    vocab_size: int
+    seq: Sequence | None = None
+    reset: bool = False
+    holder: SequenceHolder | None = None
+    prompt_text: str = ""
+    reused_tokens: int = 0
+    dropped_messages: int = 0
+    id: int = field(default_factory=lambda: next(_request_ids))
+    stream: ReplyStream = field(init=False)
+    # Filled in as it runs.
+    admitted: bool = False  # got its sequence and started prefilling
+    fed: int = 0
+    prompt_end: int = 0  # len(seq) once the prompt is in
+    sampler: Sampler | None = None
+    text_stream: TextStream | None = None
+    generated: list[int] = field(default_factory=list)
+    pieces: list[str] = field(default_factory=list)  # text released so far
+    next_token: int | None = None  # sampled, to be fed by the next decode step
+    finish_reason: str | None = None
+    message: str | None = None
+    submitted_at: float = field(default_factory=time.perf_counter)
+    prefill_started_at: float = 0.0
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0
+    sampling_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.stream = ReplyStream(self.id)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.fed < len(self.prompt_ids)
+
+    @property
+    def cancelled(self) -> bool:
+        return self.stream.cancelled
+
+
+class Scheduler:
+    """Runs the replies of one model in a background thread, batching their steps."""
+
+    def __init__(self, model: Model) -> None:
+        self.model = model
+        self.cond = threading.Condition()
+        self._waiting: deque[Request] = deque()
+        self._active: list[Request] = []
+        self._holders: dict[int, SequenceHolder] = {}  # seq id -> idle-able owner
+        self._seqs: dict[int, Sequence] = {}  # every sequence the scheduler allocated
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._bounded = model.arch.state != "rnn"  # a KV cache has a token budget, RNN state not
+        # Counters for benchmarks and tests.
+        self.decode_steps = 0
+        self.decode_seconds = 0.0
+        self.sampling_seconds = 0.0
+        self.max_decode_batch = 0
+
+    # -- caller side -------------------------------------------------------------------------
+    def submit(self, request: Request) -> ReplyStream:
+        """Queue a request; its events arrive on `request.stream`."""
+        with self.cond:
+            if self._closed:
+                raise GenerationError("the engine is closed")
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="localchat-scheduler", daemon=True
+                )
+                self._thread.start()
+            self._waiting.append(request)
+            self.cond.notify_all()
+        return request.stream
+
+    def release(self, seq: Sequence) -> None:
+        """Free a sequence (a holder closing or resetting)."""
+        with self.cond:
+            self._holders.pop(seq.seq_id, None)
+            self._seqs.pop(seq.seq_id, None)
+            self.model.remove(seq)
+
+    def close(self) -> None:
+        """Cancel everything, stop the thread and free the sequences."""
+        with self.cond:
+            self._closed = True
+            for request in [*self._waiting, *self._active]:
+                request.stream.cancel()
+            self.cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=10)
+        with self.cond:
+            for seq in list(self._seqs.values()):
+                self.model.remove(seq)
+            self._seqs.clear()
+            self._holders.clear()
+
+    def held_tokens(self) -> int:
+        """Tokens held in the state by all sequences the scheduler knows."""
+        with self.cond:
+            return sum(len(s) for s in self._seqs.values())
+
+    # -- the loop ----------------------------------------------------------------------------
+    def _run(self) -> None:
         while True:
-            if stop_ids and token in stop_ids:
+            try:
+                if not self._turn():
+                    return
+            except Exception as exc:  # noqa: BLE001 - a bug here must not hang the callers
+                with self.cond:
+                    for request in [*self._waiting, *self._active]:
+                        if request.finish_reason is None:
+                            self._fail(request, _as_generation_error(exc))
+                    self._waiting.clear()
+                    self._active.clear()
+
+    def _turn(self) -> bool:
+        """One loop turn: admit, one prefill chunk, one decode step. False when closed."""
+        with self.cond:
+            while not self._closed and not self._waiting and not self._active:
+                self.cond.wait()
+            if self._closed and not self._waiting and not self._active:
+                return False
+            self._finish_cancelled()
+            self._admit()
+            prefilling = [r for r in self._active if r.prefilling]
+            decoding = [r for r in self._active if r.next_token is not None]
+        if prefilling:
+            self._guarded(self._prefill_step, prefilling)
+        if decoding:
+            self._guarded(self._decode_step, decoding)
+        return True
+
+    def _guarded(self, step: Callable[[list[Request]], None], requests: list[Request]) -> None:
+        """Run a step; if the model fails, fail those requests and keep serving the others."""
+        try:
+            step(requests)
+        except Exception as exc:  # noqa: BLE001 - reported to each caller, the loop goes on
+            with self.cond:
+                for request in requests:
+                    if request.finish_reason is None:
+                        self._fail(request, _as_generation_error(exc))
+
+    def _finish_cancelled(self) -> None:
+        for request in list(self._waiting):
+            if request.cancelled or self._closed:
+                self._waiting.remove(request)
+                self._finish(request, "cancelled")
+        for request in list(self._active):
+            if request.cancelled or self._closed:
+                self._finish(request, "cancelled")
+
+    def _admit(self) -> None:
+        """Give waiting requests a sequence and room in the KV cache, first come first served."""
+        while self._waiting:
+            request = self._waiting[0]
+            if request.seq is None:
+                seq = self._new_sequence()
+                if seq is None:
+                    if not self._active:
+                        self._waiting.popleft()
+                        self._fail(request, GenerationError("no free sequence slot in the model"))
+                        continue
+                    return  # wait for a running reply to end
+                request.seq = seq
+                self._seqs[seq.seq_id] = seq
+                if request.holder is not None:
+                    self._holders[seq.seq_id] = request.holder
+            if request.reset and len(request.seq):
+                self.model.reset(request.seq)
+            if self._bounded and not self._make_room(len(request.prompt_ids)):
+                if not self._active:
+                    self._waiting.popleft()
+                    self._fail(
+                        request,
+                        GenerationError(
+                            f"the prompt needs {len(request.prompt_ids)} tokens but the KV cache "
+                            f"holds at most {self.model.max_total_tokens}"
+                        ),
+                    )
+                    continue
                 return
-            produced += 1
-            stats.completion_tokens = produced
-            yield token
-            if produced >= max_tokens or len(seq) + 1 > model.context_window_size:
-                return
-            logits = model.decode([seq], [token])[0]
-            token = choose(logits)
-            elapsed = time.perf_counter() - first
-            stats.decode_tok_s = produced / max(elapsed, 1e-9)
-    finally:
-        model.remove(seq)
+            self._waiting.popleft()
+            self._start(request)
+
+    def _new_sequence(self) -> Sequence | None:
+        while True:
+            try:
+                return self.model.new_sequence()
+            except GenerationError:
+                if not self._evict_one():
+                    return None
+
+    def _evict_one(self) -> bool:
+        """Drop the state of the least recently used idle conversation; False if there is none."""
+        idle = [h for h in self._holders.values() if h.holds_idle_sequence()]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda h: h.last_used)
+        seq = victim.evict_sequence()
+        if seq is not None:
+            self._holders.pop(seq.seq_id, None)
+            self._seqs.pop(seq.seq_id, None)
+            self.model.remove(seq)
+        return True
+
+    def _make_room(self, tokens: int) -> bool:
+        """Evict idle conversations until `tokens` more fit in the KV cache."""
+        while sum(len(s) for s in self._seqs.values()) + tokens > self.model.max_total_tokens:
+            if not self._evict_one():
+                return False
+        return True
+
+    def _start(self, request: Request) -> None:
+        assert request.seq is not None
+        context = [*request.seq.tokens, *request.prompt_ids]
+        request.sampler = Sampler(request.config, request.vocab_size, context)
+        request.text_stream = TextStream(request.tokenizer, request.stop_strings)  # type: ignore[arg-type]
+        request.prefill_started_at = time.perf_counter()
+        request.admitted = True
+        self._active.append(request)
+
+    # -- steps -------------------------------------------------------------------------------
+    def _prefill_step(self, requests: list[Request]) -> None:
+        """Feed one chunk: the next prompt tokens of as many requests as fit, in one call."""
+        budget = self.model.prefill_chunk_size
+        batch: list[tuple[Request, list[int]]] = []
+        for request in requests:
+            if budget <= 0:
+                break
+            part = request.prompt_ids[request.fed : request.fed + budget]
+            batch.append((request, part))
+            budget -= len(part)
+        seqs = [r.seq for r, _ in batch]
+        parts = [p for _, p in batch]
+        if len(batch) == 1:
+            logits = self.model.prefill(seqs[0], parts[0])[None, :]  # type: ignore[arg-type]
+        else:
+            logits = self.model.batch_prefill(seqs, parts)  # type: ignore[arg-type]
+        now = time.perf_counter()
+        with self.cond:
+            for (request, part), row in zip(batch, logits, strict=True):
+                request.fed += len(part)
+                if request.prefilling or request.finish_reason is not None:
+                    continue
+                assert request.seq is not None and request.sampler is not None
+                request.prompt_end = len(request.seq)
+                t0 = time.perf_counter()
+                token = request.sampler.sample(row)
+                request.sampling_s += time.perf_counter() - t0
+                request.first_token_at = now
+                self._accept(request, token)
+
+    def _decode_step(self, requests: list[Request]) -> None:
+        """Advance every decoding request by one token in one batched call."""
+        with self.cond:
+            requests = [r for r in requests if r.finish_reason is None]
+            if self._bounded:
+                requests = self._fit_decode_batch(requests)
+        if not requests:
+            return
+        seqs = [r.seq for r in requests]
+        tokens = [r.next_token for r in requests]
+        t0 = time.perf_counter()
+        logits = self.model.decode(seqs, tokens)  # type: ignore[arg-type]
+        t1 = time.perf_counter()
+        chosen = sample_batch([r.sampler for r in requests], logits)  # type: ignore[misc]
+        t2 = time.perf_counter()
+        self.decode_steps += 1
+        self.decode_seconds += t1 - t0
+        self.sampling_seconds += t2 - t1
+        self.max_decode_batch = max(self.max_decode_batch, len(requests))
+        share = (t2 - t1) / len(requests)
+        with self.cond:
+            for request, token in zip(requests, chosen, strict=True):
+                request.next_token = None
+                request.sampling_s += share
+                request.last_token_at = t2
+                self._accept(request, token)
+
+    def _fit_decode_batch(self, requests: list[Request]) -> list[Request]:
+        """End the newest replies with "length" if one more token each overflows the KV cache."""
+        while requests:
+            held = sum(len(s) for s in self._seqs.values())
+            if held + len(requests) <= self.model.max_total_tokens or not self._evict_one():
+                break
+        held = sum(len(s) for s in self._seqs.values())
+        while requests and held + len(requests) > self.model.max_total_tokens:
+            newest = max(requests, key=lambda r: r.submitted_at)
+            requests.remove(newest)
+            newest.message = "the KV cache is full (too many tokens across all sequences)"
+            self._finish(newest, "length")
+        return requests
+
+    def _accept(self, request: Request, token: int) -> None:
+        """Handle a sampled token: stop token, text and stop strings, limits; else decode it."""
+        assert request.seq is not None and request.text_stream is not None
+        if token in request.stop_token_ids:
+            self._finish(request, "stop")
+            return
+        request.generated.append(token)
+        request.last_token_at = time.perf_counter()
+        piece = request.text_stream.add(token)
+        if piece.text:
+            request.pieces.append(piece.text)
+        request.stream._put(TokenEvent(request.id, token, piece.text))
+        limit = request.config.max_tokens
+        if piece.stopped:
+            self._finish(request, "stop")
+        elif limit is not None and len(request.generated) >= limit:
+            self._finish(request, "length")
+        elif len(request.seq) + 1 > request.window:
+            request.message = (
+                f"the context window ({request.window} tokens) is full; the reply was cut short"
+            )
+            self._finish(request, "length")
+        else:
+            request.next_token = token
+
+    # -- ending ------------------------------------------------------------------------------
+    def _finish(self, request: Request, reason: str) -> None:
+        """End a request (under the lock): flush its text, build the reply, notify its holder."""
+        if request.finish_reason is not None:
+            return
+        request.finish_reason = reason
+        request.next_token = None
+        tail = request.text_stream.finish() if request.text_stream is not None else ""
+        if tail:
+            request.pieces.append(tail)
+        reply = Reply(
+            text="".join(request.pieces),
+            token_ids=list(request.generated),
+            finish_reason=reason,
+            stats=self._stats(request, reason),
+            message=request.message,
+        )
+        self._detach(request)
+        if request.holder is not None:
+            request.holder.reply_finished(request, reply)
+        request.stream.reply = reply
+        request.stream._finished.set()
+        request.stream._put(FinishEvent(request.id, tail, reply))
+
+    def _fail(self, request: Request, error: BaseException) -> None:
+        """End a request with an error (under the lock); its sequence's state is dropped."""
+        request.finish_reason = "error"
+        self._detach(request)
+        seq = request.seq
+        if seq is not None:
+            self._holders.pop(seq.seq_id, None)
+            self._seqs.pop(seq.seq_id, None)
+            try:
+                self.model.remove(seq)
+            except Exception:  # noqa: BLE001 - the state is already broken; nothing to keep
+                pass
+        if request.holder is not None:
+            request.holder.reply_finished(request, None)
+        request.stream.error = error
+        request.stream._finished.set()
+        request.stream._put(error)
+
+    def _detach(self, request: Request) -> None:
+        if request in self._active:
+            self._active.remove(request)
+        if request.holder is None and request.seq is not None and request.finish_reason != "error":
+            self._seqs.pop(request.seq.seq_id, None)
+            self.model.remove(request.seq)
+
+    @staticmethod
+    def _stats(request: Request, reason: str) -> ReplyStats:
+        prefilled = request.fed
+        first = request.first_token_at
+        n = len(request.generated)
+        ttft = first - request.submitted_at if first else 0.0
+        prefill_s = first - request.prefill_started_at if first else 0.0
+        decode_s = request.last_token_at - first if first and n > 1 else 0.0
+        seq = request.seq
+        return ReplyStats(
+            prompt_tokens=prefilled,
+            reused_tokens=request.reused_tokens,
+            completion_tokens=n,
+            ttft_s=ttft,
+            prefill_tok_s=prefilled / prefill_s if prefill_s > 0 else 0.0,
+            decode_tok_s=(n - 1) / decode_s if decode_s > 0 else 0.0,
+            sampling_s=request.sampling_s,
+            finish_reason=reason,
+            context_tokens=len(seq) if seq is not None else 0,
+            dropped_messages=request.dropped_messages,
+        )
 
 
-def complete(
-    model: Model,
-    prompt: str,
-    *,
-    max_tokens: int = 128,
-    temperature: float = 0.0,
-    seed: int | None = None,
-    on_text: Callable[[str], None] | None = None,
-) -> Completion:
-    """Complete a raw prompt (no chat template); stream text pieces through `on_text`."""
-    if temperature < 0:
-        raise GenerationError("temperature must be >= 0")
-    tok = model.tokenizer
-    prompt_ids = tok.encode(prompt)
-    bos = model.meta.get("bos_token_id")
-    if model.meta.get("add_bos") and bos is not None:
-        prompt_ids = [int(bos)] + prompt_ids
-    rng = np.random.default_rng(seed)
-    stats = GenerationStats()
-    ids: list[int] = []
-    emitted = ""
-    stop = set(model.eos_token_ids)
-    for token in generate_tokens(
-        model, prompt_ids, max_tokens, lambda lg: pick_token(lg, temperature, rng), stats, stop
-    ):
-        ids.append(token)
-        text = tok.decode(ids)
-        if on_text and not text.endswith("\ufffd") and len(text) > len(emitted):
-            on_text(text[len(emitted) :])
-            emitted = text
-    text = tok.decode(ids)
-    if on_text and len(text) > len(emitted):
-        on_text(text[len(emitted) :])
-    finish = "length" if stats.completion_tokens >= max_tokens else "stop"
-    return Completion(text, ids, finish, stats)
+def _as_generation_error(exc: Exception) -> LocalchatError:
+    """A model failure as a one-line GenerationError (TVM errors carry long native traces)."""
+    if isinstance(exc, LocalchatError):
+        return exc
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    message = f"the model failed: {type(exc).__name__}" + (f": {first}" if first else "")
+    error = GenerationError(message)
+    error.__cause__ = exc
+    return error
+
+
+def sampling_share(scheduler: Scheduler) -> float:
+    """Fraction of decode-step time spent sampling, over the scheduler's life so far."""
+    total = scheduler.decode_seconds + scheduler.sampling_seconds
+    return scheduler.sampling_seconds / total if total else 0.0
+
+
+def fed_reply_text(tokenizer: object, context_ids: list[int], reply_ids: list[int]) -> str:
+    """The text of `reply_ids` as it reads after `context_ids` (keeps a SentencePiece model's
+    leading space, which decoding the reply alone would drop)."""
+    decode = tokenizer.decode  # type: ignore[attr-defined]
+    if not reply_ids:
+        return ""
+    if context_ids:
+        anchor = context_ids[-1:]
+        before = decode(anchor)
+        after = decode(anchor + reply_ids)
+        if after.startswith(before):
+            return after[len(before) :]
+    return decode(reply_ids)
+
+
+__all__ = ["ReplyStream", "Request", "Scheduler", "fed_reply_text", "sampling_share"]
