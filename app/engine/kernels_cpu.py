@@ -102,24 +102,87 @@ def _linear(k: int, n: int, dtype: str, bias: bool, quantized: bool) -> tirx.Pri
             else:
                 y[i0 + ii, j0 + jt + jj] = T.Cast(dtype, red[0])
 
+    rq = 4 if nb % 4 == 0 else 1  # rows of W per GEMV register tile
+    wpg = GROUP_SIZE // NIBBLES_PER_WORD
+
+    @T.macro
+    def gemv_q4(x, xs, w, s, b, y, j0):
+        # One row of X. Nibbles are used unshifted (q, not q - 8): the -8 is applied once per
+        # group through xs, the lane-wise group sums of x, which all rows share. Each of the
+        # rq rows keeps its own accumulators, so the FMA chains are independent.
+        for jq in range(nb // rq):
+            acc = T.alloc_buffer((rq, NIBBLES_PER_WORD), acc_t, scope="local")
+            gacc = T.alloc_buffer((rq, NIBBLES_PER_WORD), acc_t, scope="local")
+            for r in T.unroll(rq):
+                for e in T.vectorized(NIBBLES_PER_WORD):
+                    acc[r, e] = T.float32(0)
+            for g in range(kg):
+                for r in T.unroll(rq):
+                    for e in T.vectorized(NIBBLES_PER_WORD):
+                        gacc[r, e] = T.float32(0)
+                for wd in T.unroll(wpg):
+                    for r in T.unroll(rq):
+                        for e in T.vectorized(NIBBLES_PER_WORD):
+                            gacc[r, e] = gacc[r, e] + T.Cast(
+                                acc_t, x[0, g * GROUP_SIZE + wd * NIBBLES_PER_WORD + e]
+                            ) * T.Cast(
+                                acc_t,
+                                T.bitwise_and(
+                                    T.shift_right(
+                                        w[j0 + jq * rq + r, g * wpg + wd],
+                                        T.Cast("uint32", e * 4),
+                                    ),
+                                    T.uint32(15),
+                                ),
+                            )
+                for r in T.unroll(rq):
+                    for e in T.vectorized(NIBBLES_PER_WORD):
+                        acc[r, e] = acc[r, e] + (gacc[r, e] - xs[g, e]) * T.Cast(
+                            acc_t, s[j0 + jq * rq + r, g]
+                        )
+            for r in range(rq):
+                red = T.alloc_buffer((1,), acc_t, scope="local")
+                red[0] = T.float32(0)
+                for e in range(NIBBLES_PER_WORD):
+                    red[0] = red[0] + acc[r, e]
+                if bias:
+                    y[0, j0 + jq * rq + r] = T.Cast(
+                        dtype, red[0] + T.Cast(acc_t, b[j0 + jq * rq + r])
+                    )
+                else:
+                    y[0, j0 + jq * rq + r] = T.Cast(dtype, red[0])
+
     w_shape = (n, kw) if quantized else (n, k)
     w_dtype = "uint32" if quantized else dtype
 
     @T.macro
     def body(var_x, w, s, b, var_y):
-        T.func_attr({"tir.noalias": True, "tir.is_scheduled": True})
+        T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
         m = T.int64()
         x = T.match_buffer(var_x, (m, k), dtype)
         y = T.match_buffer(var_y, (m, n), dtype)
-        for jo in T.parallel(n // nb):
-            wbuf = T.alloc_buffer((nb, k), acc_t)
-            fill(wbuf, w, s, jo * nb)
-            for io in range(m // ROW_TILE):
-                for jt in range(nb // ct):
-                    tile(x, wbuf, y, b, io * ROW_TILE, ROW_TILE, jo * nb, jt * ct)
-            for it in range(m % ROW_TILE):
-                for jt in range(nb // ct):
-                    tile(x, wbuf, y, b, m - m % ROW_TILE + it, 1, jo * nb, jt * ct)
+        if quantized and m == 1:
+            xs = T.alloc_buffer((kg, NIBBLES_PER_WORD), acc_t)
+            for g in range(kg):
+                for e in T.vectorized(NIBBLES_PER_WORD):
+                    xs[g, e] = T.float32(0)
+                for wd in range(wpg):
+                    for e in T.vectorized(NIBBLES_PER_WORD):
+                        xs[g, e] = xs[g, e] + T.float32(8) * T.Cast(
+                            acc_t, x[0, g * GROUP_SIZE + wd * NIBBLES_PER_WORD + e]
+                        )
+            for jo in T.parallel(n // nb):
+                gemv_q4(x, xs, w, s, b, y, jo * nb)
+        else:
+            for jo in T.parallel(n // nb):
+                wbuf = T.alloc_buffer((nb, k), acc_t)
+                fill(wbuf, w, s, jo * nb)
+                for io in range(m // ROW_TILE):
+                    for jt in range(nb // ct):
+                        tile(x, wbuf, y, b, io * ROW_TILE, ROW_TILE, jo * nb, jt * ct)
+                for it in range(m % ROW_TILE):
+                    for jt in range(nb // ct):
+                        tile(x, wbuf, y, b, m - m % ROW_TILE + it, 1, jo * nb, jt * ct)
 
     if quantized and bias:
 
