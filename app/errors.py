@@ -75,3 +75,7 @@ class StoreError(LocalchatError):
 
 class DiskSpaceError(StoreError):
     """Not enough free disk space to start, or the disk filled up part-way."""
+
+
+class ContextWindowError(GenerationError):
+    """A prompt that does not fit the context window (with room for a reply)."""

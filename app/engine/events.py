@@ -10,14 +10,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from localchat.errors import GenerationError
+from localchat.errors import ContextWindowError  # noqa: F401 - re-exported for callers
 
 FinishReason = Literal["stop", "length", "cancelled"]
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "cancelled")
-
-
-class ContextWindowError(GenerationError):
-    """A prompt that does not fit the context window (with room for a reply)."""
 
 
 @dataclass(frozen=True)
