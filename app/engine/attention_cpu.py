@@ -93,11 +93,28 @@ def _check_heads(h_kv: int, h_q: int) -> int:
 # --------------------------------------------------------------------------------------------
 
 
+def _prefill_shape(group: int, d: int) -> tuple[int, int]:
+    """(query heads, query vectors of 16) in one prefill work item; its rows are their product.
+
+    All rows share one KV head. Several heads at 16 queries each beat longer query blocks (less
+    causal waste on the diagonal), up to heads x head_dim of 512 (Q^T and O of the item stay in
+    L1); MHA takes 48 queries of its one head.
+    """
+    if group == 1:
+        return 1, 3
+    fits = [h for h in range(1, group + 1) if group % h == 0 and h * d <= 512]
+    heads = max(fits, default=1)
+    return heads, 1 if heads > 1 else 3
+
+
 def _prefill_macros(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str, paged: bool, ps: int = 0):
     """The work item shared by the ragged and paged prefill kernels."""
     group = _check_heads(h_kv, h_q)
-    rows = group * LANES  # row r = g * LANES + e: query q0 + e, head hk * group + g
-    key_tile = max(1, min(16, TARGET_ACCUMULATORS // group))
+    gs, qv_n = _prefill_shape(group, max(d_qk, d_v))
+    rv = gs * qv_n  # row vectors: v = head_in_item * qv_n + query_vector
+    rows = rv * LANES  # row r = v * LANES + e
+    bq = qv_n * LANES  # queries per work item
+    key_tile = max(1, min(16, TARGET_ACCUMULATORS // rv))
     while KEY_BLOCK % key_tile:
         key_tile -= 1
     vw = _vec_width(d_v)
@@ -107,40 +124,54 @@ def _prefill_macros(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str, paged:
 
     @T.macro
     def seq_block(
-        qf, outf, lse, kf, vf, b_tok0, qo_n, q0, nq, kv_n, hk, causal, scale, kv_base, page_values
+        qf,
+        outf,
+        lse,
+        kf,
+        vf,
+        b_tok0,
+        qo_n,
+        q0,
+        nq,
+        kv_n,
+        hk,
+        h0,
+        causal,
+        scale,
+        kv_base,
+        page_values,
     ):
-        # kv_base: first token of the sequence in k/v (ragged) or its first page_values entry
-        qt = T.alloc_buffer((d_qk, group, LANES), f32)
+        # Queries q0 .. q0 + nq of a sequence (its tokens start at b_tok0) x query heads
+        # h0 .. h0 + gs, against its kv_n keys of KV head hk. kv_base: the sequence's first token
+        # in k/v (ragged) or its first page_values entry (paged).
+        qt = T.alloc_buffer((d_qk, rv, LANES), f32)
         s_t = T.alloc_buffer((KEY_BLOCK, rows), f32)
         o = T.alloc_buffer((rows, d_v), f32)
         m = T.alloc_buffer((rows,), f32)
         lsum = T.alloc_buffer((rows,), f32)
         alpha = T.alloc_buffer((rows,), f32)
-        lim = T.alloc_buffer((LANES,), "int32")
+        lim = T.alloc_buffer((bq,), "int32")
         koff = T.alloc_buffer((KEY_BLOCK,), "int32")
         voff = T.alloc_buffer((KEY_BLOCK,), "int32")
-        acc = T.alloc_buffer((key_tile, group, LANES), f32)
+        acc = T.alloc_buffer((key_tile, rv, LANES), f32)
         oacc = T.alloc_buffer((row_tile, dvv, vw), f32)
         mx = T.alloc_buffer((LANES,), f32)
         ls = T.alloc_buffer((LANES,), f32)
 
         # Q^T of this block, pre-scaled to log2 units; rows past the sequence repeat its last row.
-        for e in range(LANES):
-            for g in range(group):
+        for g in range(gs):
+            for qi in range(bq):
                 for dd in range(d_qk):
-                    qt[dd, g, e] = (
+                    qt[dd, g * qv_n + qi // LANES, qi % LANES] = (
                         T.Cast(
                             f32,
-                            qf[
-                                ((b_tok0 + T.min(q0 + e, qo_n - 1)) * h_q + hk * group + g) * d_qk
-                                + dd
-                            ],
+                            qf[((b_tok0 + T.min(q0 + qi, qo_n - 1)) * h_q + h0 + g) * d_qk + dd],
                         )
                         * scale
                     )
-        # Keys visible to each query row: col < lim (causal: kv_n - qo_n + row + 1).
-        for e in T.vectorized(LANES):
-            lim[e] = T.if_then_else(causal > 0, T.min(kv_n, kv_n - qo_n + q0 + e + 1), kv_n)
+        # Keys visible to each query: col < lim (causal: kv_n - qo_n + row + 1).
+        for qi in T.vectorized(bq):
+            lim[qi] = T.if_then_else(causal > 0, T.min(kv_n, kv_n - qo_n + q0 + qi + 1), kv_n)
         kv_stop: T.let[T.int32] = T.if_then_else(
             causal > 0, T.max(T.min(kv_n, kv_n - qo_n + q0 + nq), 0), kv_n
         )
@@ -166,44 +197,48 @@ def _prefill_macros(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str, paged:
                     voff[jj] = ((kv_base + jc) * h_kv + hk) * d_v
             # S^T[j, r] = sum_d K[j, d] * Q^T[d, r]
             for jt in range((nk + key_tile - 1) // key_tile):
-                for jj, g in T.grid(key_tile, group):
+                for jj, v in T.grid(key_tile, rv):
                     for e in T.vectorized(LANES):
-                        acc[jj, g, e] = T.float32(0)
+                        acc[jj, v, e] = T.float32(0)
                 for dd in range(d_qk):
                     for jj in T.unroll(key_tile):
-                        for g in T.unroll(group):
+                        for v in T.unroll(rv):
                             for e in T.vectorized(LANES):
-                                acc[jj, g, e] = (
-                                    acc[jj, g, e]
-                                    + T.Cast(f32, kf[koff[jt * key_tile + jj] + dd]) * qt[dd, g, e]
+                                acc[jj, v, e] = (
+                                    acc[jj, v, e]
+                                    + T.Cast(f32, kf[koff[jt * key_tile + jj] + dd]) * qt[dd, v, e]
                                 )
-                for jj, g in T.grid(key_tile, group):
+                for jj, v in T.grid(key_tile, rv):
                     for e in T.vectorized(LANES):
-                        s_t[jt * key_tile + jj, g * LANES + e] = acc[jj, g, e]
-            # Online softmax, lane-wise over the 16 queries of each head.
-            for g in range(group):
+                        s_t[jt * key_tile + jj, v * LANES + e] = acc[jj, v, e]
+            # Online softmax, lane-wise over each vector of 16 rows.
+            for v in range(rv):
                 for e in T.vectorized(LANES):
-                    mx[e] = m[g * LANES + e]
+                    mx[e] = m[v * LANES + e]
                 for jj in range(nk):
                     for e in T.vectorized(LANES):
                         mx[e] = T.max(
                             mx[e],
-                            T.Select(j0 + jj < lim[e], s_t[jj, g * LANES + e], T.float32(NEG_INF)),
+                            T.Select(
+                                j0 + jj < lim[v % qv_n * LANES + e],
+                                s_t[jj, v * LANES + e],
+                                T.float32(NEG_INF),
+                            ),
                         )
                 for e in T.vectorized(LANES):
-                    alpha[g * LANES + e] = _exp2(m[g * LANES + e] - mx[e])
-                    m[g * LANES + e] = mx[e]
+                    alpha[v * LANES + e] = _exp2(m[v * LANES + e] - mx[e])
+                    m[v * LANES + e] = mx[e]
                     ls[e] = T.float32(0)
                 for jj in range(nk):
                     for e in T.vectorized(LANES):
-                        s_t[jj, g * LANES + e] = T.Select(
-                            j0 + jj < lim[e],
-                            _exp2(s_t[jj, g * LANES + e] - mx[e]),
+                        s_t[jj, v * LANES + e] = T.Select(
+                            j0 + jj < lim[v % qv_n * LANES + e],
+                            _exp2(s_t[jj, v * LANES + e] - mx[e]),
                             T.float32(0),
                         )
-                        ls[e] = ls[e] + s_t[jj, g * LANES + e]
+                        ls[e] = ls[e] + s_t[jj, v * LANES + e]
                 for e in T.vectorized(LANES):
-                    lsum[g * LANES + e] = lsum[g * LANES + e] * alpha[g * LANES + e] + ls[e]
+                    lsum[v * LANES + e] = lsum[v * LANES + e] * alpha[v * LANES + e] + ls[e]
             # O = O * alpha + P @ V, in (row_tile x d_v) register tiles.
             for rt in range(rows // row_tile):
                 for ii in T.unroll(row_tile):
@@ -225,20 +260,18 @@ def _prefill_macros(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str, paged:
                             o[rt * row_tile + ii, c * vw + e] = oacc[ii, c, e]
 
         # Normalize and store the rows that exist.
-        for g in range(group):
-            for e in range(nq):
-                tok: T.let[T.int32] = b_tok0 + q0 + e
-                r: T.let[T.int32] = g * LANES + e
+        for g in range(gs):
+            for qi in range(nq):
+                tok: T.let[T.int32] = b_tok0 + q0 + qi
+                r: T.let[T.int32] = (g * qv_n + qi // LANES) * LANES + qi % LANES
                 if lsum[r] > T.float32(0):
                     for c in T.vectorized(d_v):
-                        outf[(tok * h_q + hk * group + g) * d_v + c] = T.Cast(
-                            dtype, o[r, c] / lsum[r]
-                        )
-                    lse[tok, hk * group + g] = m[r] + T.log2(lsum[r])
+                        outf[(tok * h_q + h0 + g) * d_v + c] = T.Cast(dtype, o[r, c] / lsum[r])
+                    lse[tok, h0 + g] = m[r] + T.log2(lsum[r])
                 else:
                     for c in T.vectorized(d_v):
-                        outf[(tok * h_q + hk * group + g) * d_v + c] = T.Cast(dtype, T.float32(0))
-                    lse[tok, hk * group + g] = T.float32(EMPTY_LSE)
+                        outf[(tok * h_q + h0 + g) * d_v + c] = T.Cast(dtype, T.float32(0))
+                    lse[tok, h0 + g] = T.float32(EMPTY_LSE)
 
     @T.macro
     def locate(loc, t, q_indptr, batch_size):
@@ -247,13 +280,15 @@ def _prefill_macros(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str, paged:
         loc[1] = 0
         loc[2] = 0
         for bb in range(batch_size):
-            nqb: T.let[T.int32] = (q_indptr[bb + 1] - q_indptr[bb] + LANES - 1) // LANES
+            nqb: T.let[T.int32] = (q_indptr[bb + 1] - q_indptr[bb] + bq - 1) // bq
             if t >= loc[2] and t < loc[2] + nqb:
                 loc[0] = bb
                 loc[1] = t - loc[2]
             loc[2] = loc[2] + nqb
 
-    return seq_block, locate
+    # work item w: head subgroup w % n_sub, KV head (w // n_sub) % h_kv, query block of the batch
+    n_sub = group // gs
+    return seq_block, locate, bq, n_sub, gs
 
 
 def attention_prefill_ragged_cpu(
@@ -263,7 +298,8 @@ def attention_prefill_ragged_cpu(
 
     Same signature as TVM's `_attention_prefill_ragged_cpu`; rope arguments are ignored.
     """
-    seq_block, locate = _prefill_macros(h_kv, h_q, d_qk, d_v, dtype, paged=False)
+    seq_block, locate, bq, n_sub, gs = _prefill_macros(h_kv, h_q, d_qk, d_v, dtype, paged=False)
+    group = h_q // h_kv
 
     @T.prim_func(private=True)
     def batch_prefill_ragged_kv(
@@ -312,16 +348,16 @@ def attention_prefill_ragged_cpu(
         outf = T.decl_buffer((qo_len * h_q * d_v,), dtype, data=output.data)
 
         scale: T.let[T.float32] = sm_scale * T.float32(LOG2E)
-        n_items: T.let[T.int32] = h_kv * ((qo_len + LANES - 1) // LANES + batch_size)
+        n_items: T.let[T.int32] = h_kv * n_sub * ((qo_len + bq - 1) // bq + batch_size)
         with T.attr(0, "pragma_parallel_launch_point", 1):
             with T.attr(0, "pragma_parallel_stride_pattern", 1):
                 for w in T.parallel(n_items):
                     loc = T.alloc_buffer((3,), "int32")
-                    locate(loc, w // h_kv, q_indptr, batch_size)
+                    locate(loc, w // (n_sub * h_kv), q_indptr, batch_size)
                     if loc[0] >= 0:
                         b: T.let[T.int32] = loc[0]
                         qo_n: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
-                        q0: T.let[T.int32] = loc[1] * LANES
+                        q0: T.let[T.int32] = loc[1] * bq
                         seq_block(
                             qf,
                             outf,
@@ -331,9 +367,10 @@ def attention_prefill_ragged_cpu(
                             q_indptr[b],
                             qo_n,
                             q0,
-                            T.min(LANES, qo_n - q0),
+                            T.min(bq, qo_n - q0),
                             kv_indptr[b + 1] - kv_indptr[b],
-                            w % h_kv,
+                            w // n_sub % h_kv,
+                            w // n_sub % h_kv * group + w % n_sub * gs,
                             causal,
                             scale,
                             kv_indptr[b],
@@ -351,7 +388,10 @@ def attention_prefill_paged_cpu(
     Same signature as TVM's `_attention_prefill_cpu(..., sliding_window=False)`, and like it
     compiled for one page size (16 by default). Rope arguments are ignored.
     """
-    seq_block, locate = _prefill_macros(h_kv, h_q, d, d, dtype, paged=True, ps=page_size)
+    seq_block, locate, bq, n_sub, gs = _prefill_macros(
+        h_kv, h_q, d, d, dtype, paged=True, ps=page_size
+    )
+    group = h_q // h_kv
 
     @T.prim_func(private=True)
     def batch_prefill_paged_kv_cpu(
@@ -407,16 +447,16 @@ def attention_prefill_paged_cpu(
         outf = T.decl_buffer((total_len * h_q * d,), dtype, data=output.data)
 
         scale: T.let[T.float32] = sm_scale * T.float32(LOG2E)
-        n_items: T.let[T.int32] = h_kv * ((total_len + LANES - 1) // LANES + batch_size)
+        n_items: T.let[T.int32] = h_kv * n_sub * ((total_len + bq - 1) // bq + batch_size)
         with T.attr(0, "pragma_parallel_launch_point", 1):
             with T.attr(0, "pragma_parallel_stride_pattern", 1):
                 for w in T.parallel(n_items):
                     loc = T.alloc_buffer((3,), "int32")
-                    locate(loc, w // h_kv, q_indptr, batch_size)
+                    locate(loc, w // (n_sub * h_kv), q_indptr, batch_size)
                     if loc[0] >= 0:
                         b: T.let[T.int32] = loc[0]
                         qo_n: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
-                        q0: T.let[T.int32] = loc[1] * LANES
+                        q0: T.let[T.int32] = loc[1] * bq
                         npg: T.let[T.int32] = page_indptr[b + 1] - page_indptr[b]
                         seq_block(
                             qf,
@@ -427,9 +467,10 @@ def attention_prefill_paged_cpu(
                             q_indptr[b],
                             qo_n,
                             q0,
-                            T.min(LANES, qo_n - q0),
+                            T.min(bq, qo_n - q0),
                             T.if_then_else(npg > 0, (npg - 1) * page_size + length_info[b], 0),
-                            w % h_kv,
+                            w // n_sub % h_kv,
+                            w // n_sub % h_kv * group + w % n_sub * gs,
                             causal,
                             scale,
                             page_indptr[b],
