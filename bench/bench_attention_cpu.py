@@ -175,9 +175,13 @@ def main() -> None:
             )
         print(
             f"{label:<24}{_fmt(best):>12}{_fmt(med):>13}{_fmt(tvm_best):>12}"
-            f"{tvm_best / best:>8.0f}x{_fmt(best * args.layers):>12}"
+            f"{_ratio(tvm_best / best):>9}{_fmt(best * args.layers):>12}"
         )
     sys.stdout.flush()
+
+
+def _ratio(x: float) -> str:
+    return "-" if x != x else f"{x:.0f}x"
 
 
 def _fmt(seconds: float) -> str:

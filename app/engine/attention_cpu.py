@@ -5,11 +5,12 @@ TVM's `TIRPagedKVCache` gives the llvm target serial scalar loop nests for atten
 signatures the KV-cache runtime calls (`vm.builtin.paged_attention_kv_cache_create`) and are
 written already scheduled:
 
-* prefill (ragged and paged): one work item is 16 query positions x the `group` query heads that
-  share one KV head. The scores of a key block are computed transposed, S^T[key, row], with the
-  16 queries of a head in the 16 lanes of a vector, so the online-softmax max and sum are lane-wise
-  (no horizontal reductions) and K is read in its stored layout (one broadcast per element).
-  P.V accumulates into register tiles of (rows x head_dim).
+* prefill (ragged and paged): one work item is a block of queries x some query heads that share
+  one KV head (3 heads x 16 queries for SmolLM2; see `_prefill_shape`). The scores of a key block
+  are computed transposed, S^T[key, row], with 16 queries of a head in the 16 lanes of a vector,
+  so the online-softmax max and sum are lane-wise (no horizontal reductions) and K is read in its
+  stored layout (one broadcast per element). P.V accumulates into (rows x head_dim) register
+  tiles. Work items are dealt round-robin to the threads (causal blocks differ in cost).
 * decode: one work item is (sequence, KV head, KV split); a sequence's pages are split in up to
   `DECODE_SPLITS` ranges so that a single sequence still fills the cores; partial states are merged
   after the parallel loop. Dot products run along head_dim.
