@@ -26,7 +26,7 @@ from localchat.engine.quantization import QuantMode
 from localchat.errors import CompileError
 
 # Bump when kernels or the pass pipeline change in a way the key would not otherwise see.
-KERNEL_VERSION = 2
+KERNEL_VERSION = 4
 
 
 @dataclass(frozen=True)

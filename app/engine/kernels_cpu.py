@@ -79,7 +79,7 @@ def _linear(k: int, n: int, dtype: str, bias: bool, quantized: bool) -> tirx.Pri
 
     @T.macro
     def tile(x, wbuf, y, b, i0, rows, j0, jt):
-        acc = T.alloc_buffer((ROW_TILE, ct, LANES), acc_t, scope="local")
+        acc = T.alloc_buffer((ROW_TILE, ct, LANES), acc_t)
         for ii, jj in T.grid(rows, ct):
             for e in T.vectorized(LANES):
                 acc[ii, jj, e] = T.float32(0)
@@ -93,7 +93,7 @@ def _linear(k: int, n: int, dtype: str, bias: bool, quantized: bool) -> tirx.Pri
                             * wbuf[jt + jj, kk * LANES + e]
                         )
         for ii, jj in T.grid(rows, ct):
-            red = T.alloc_buffer((1,), acc_t, scope="local")
+            red = T.alloc_buffer((1,), acc_t)
             red[0] = T.float32(0)
             for e in range(LANES):
                 red[0] = red[0] + acc[ii, jj, e]
@@ -111,8 +111,8 @@ def _linear(k: int, n: int, dtype: str, bias: bool, quantized: bool) -> tirx.Pri
         # group through xs, the lane-wise group sums of x, which all rows share. Each of the
         # rq rows keeps its own accumulators, so the FMA chains are independent.
         for jq in range(nb // rq):
-            acc = T.alloc_buffer((rq, NIBBLES_PER_WORD), acc_t, scope="local")
-            gacc = T.alloc_buffer((rq, NIBBLES_PER_WORD), acc_t, scope="local")
+            acc = T.alloc_buffer((rq, NIBBLES_PER_WORD), acc_t)
+            gacc = T.alloc_buffer((rq, NIBBLES_PER_WORD), acc_t)
             for r in T.unroll(rq):
                 for e in T.vectorized(NIBBLES_PER_WORD):
                     acc[r, e] = T.float32(0)
@@ -141,7 +141,7 @@ def _linear(k: int, n: int, dtype: str, bias: bool, quantized: bool) -> tirx.Pri
                             acc_t, s[j0 + jq * rq + r, g]
                         )
             for r in range(rq):
-                red = T.alloc_buffer((1,), acc_t, scope="local")
+                red = T.alloc_buffer((1,), acc_t)
                 red[0] = T.float32(0)
                 for e in range(NIBBLES_PER_WORD):
                     red[0] = red[0] + acc[r, e]
@@ -157,7 +157,7 @@ def _linear(k: int, n: int, dtype: str, bias: bool, quantized: bool) -> tirx.Pri
 
     @T.macro
     def body(var_x, w, s, b, var_y):
-        T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         m = T.int64()
         x = T.match_buffer(var_x, (m, k), dtype)
         y = T.match_buffer(var_y, (m, n), dtype)

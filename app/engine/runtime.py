@@ -29,6 +29,9 @@ from localchat.engine.tokenizer import Tokenizer, load_tokenizer, read_json
 from localchat.errors import GenerationError, ModelConfigError, ModelNotFoundError
 
 PAGE_SIZE = 16
+# TVM's CPU thread pool defaults to half the logical CPUs on x86 (one thread on a 2-vCPU
+# machine) and asks the OS on every parallel launch unless this is set; it is read per launch.
+os.environ.setdefault("TVM_NUM_THREADS", str(os.cpu_count() or 1))
 RNN_HISTORY = 1  # RNN-state slots kept per sequence (1: no rollback, popn unsupported)
 _LOAD_LOCK = threading.Lock()  # the runtime's tensor cache is one per process
 

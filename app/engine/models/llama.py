@@ -19,6 +19,7 @@ from tvm.relax.frontend.nn import op
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
 from tvm.target import Target
 
+from localchat.engine.attention_cpu import create_paged_kv_cache_cpu
 from localchat.engine.models.layers import Embedding, Linear, take_last_token
 from localchat.engine.quantization import QuantMode
 from localchat.errors import ModelConfigError, UnsupportedModelError
@@ -223,7 +224,9 @@ class LlamaForCausalLM(nn.Module):
         support_sliding_window: int,
     ) -> PagedKVCache:
         cfg = self.cfg
-        return TIRPagedKVCache(
+        # On the CPU, TVM's attention kernels are serial loop nests; ours are scheduled.
+        make = create_paged_kv_cache_cpu if self.target.kind.name == "llvm" else TIRPagedKVCache
+        return make(
             attn_kind="mha",
             max_batch_size=max_batch_size,
             max_total_seq_len=max_total_seq_len,
