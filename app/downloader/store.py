@@ -3,7 +3,7 @@
 Layout (``LOCALCHAT_HOME`` puts everything under one directory)::
 
     <data>/models/<name>/<quantization>/localchat-config.json   one model directory
-    <data>/models/<name>/<quantization>/lib/<target>.so          its compiled libraries
+    <data>/models/<name>/<quantization>/lib/<target>-<key>.so    its compiled libraries
     <data>/models/.locks/                                        one lock file per model
     <cache>/downloads/                                           source files of pulls
     <cache>/libs/                                                compiled-library cache
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -25,12 +26,15 @@ from pathlib import Path
 from typing import Any
 
 from filelock import FileLock, Timeout
+
 from localchat.errors import ModelNotFoundError, StoreError
 
 MODEL_CONFIG = "localchat-config.json"
 HOME_ENV = "LOCALCHAT_HOME"
 APP_NAME = "localchat"
 LIB_SUFFIXES = (".so", ".dylib", ".dll", ".tar", ".wasm")
+# `<target key>-<16 hex library key>`: the name localchat.engine.compile gives a library
+_LIBRARY_KEY = re.compile(r"^(?P<target>.+)-[0-9a-f]{16}$")
 _STAGING = ".staging-"
 _TRASH = ".trash-"
 
@@ -70,6 +74,8 @@ class StoredModel:
     targets: tuple[str, ...]
     size_bytes: int
     config: dict[str, Any]
+    libraries: tuple[str, ...] = ()  # file names under lib/
+
 
     @property
     def ref(self) -> str:
@@ -109,16 +115,25 @@ def write_json_atomic(path: Path, data: Any) -> None:
             os.unlink(tmp)
 
 
-def library_targets(model_dir: Path) -> tuple[str, ...]:
-    """Target keys of the compiled libraries in a model directory's lib/ folder."""
+def library_files(model_dir: Path) -> tuple[str, ...]:
+    """File names of the compiled libraries in a model directory's lib/ folder."""
     lib = Path(model_dir) / "lib"
     if not lib.is_dir():
         return ()
-    found = []
-    for f in lib.iterdir():
-        if f.is_file() and not f.name.startswith(".") and f.suffix in LIB_SUFFIXES:
-            found.append(f.name[: -len(f.suffix)])
-    return tuple(sorted(found))
+    return tuple(sorted(f.name for f in lib.iterdir()
+                        if f.is_file() and not f.name.startswith(".") and f.suffix in LIB_SUFFIXES))
+
+
+def library_target(file_name: str) -> str:
+    """The target key of a library file (`llvm-znver4-0123456789abcdef.so` -> `llvm-znver4`)."""
+    stem = Path(file_name).stem
+    match = _LIBRARY_KEY.match(stem)
+    return match.group("target") if match else stem
+
+
+def library_targets(model_dir: Path) -> tuple[str, ...]:
+    """Target keys of the compiled libraries in a model directory's lib/ folder."""
+    return tuple(sorted({library_target(f) for f in library_files(model_dir)}))
 
 
 class Store:
@@ -194,6 +209,7 @@ class Store:
             targets=library_targets(path),
             size_bytes=dir_size(path),
             config=config,
+            libraries=library_files(path),
         )
 
     def models(self) -> list[StoredModel]:
@@ -311,13 +327,14 @@ class Store:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
 
-    def add_library(self, name: str, quantization: str, target: str, library: Path) -> Path:
-        """Copy a compiled library into a stored model's lib/ folder atomically."""
+    def add_library(self, name: str, quantization: str, library_name: str,
+                    library: Path) -> Path:
+        """Install a compiled library as `lib/<library_name>.so` of a stored model, atomically."""
         with self.lock(name, quantization):
             model = self.model_dir(name, quantization)
             if not (model / MODEL_CONFIG).is_file():
                 raise ModelNotFoundError(f"no model {name}:{quantization} in the store")
-            return install_library(model, target, library)
+            return install_library(model, library_name, library)
 
     def remove(self, ref: str, quantization: str | None = None) -> list[StoredModel]:
         """Delete the models matching `ref` (all quantizations of a bare name); returns them."""
@@ -339,18 +356,25 @@ class Store:
         return matches
 
 
-def install_library(model_dir: Path, target: str, library: Path) -> Path:
-    """Copy `library` to `model_dir/lib/<target><suffix>` through a temp file and a rename."""
+def install_library(model_dir: Path, name: str, library: Path) -> Path:
+    """Put `library` at `model_dir/lib/<name><suffix>` (hard link or copy, then a rename).
+
+    `name` is the file stem the runtime looks for: the engine's `<target key>-<library key>`.
+    """
     lib_dir = Path(model_dir) / "lib"
     lib_dir.mkdir(exist_ok=True)
     suffix = Path(library).suffix if Path(library).suffix in LIB_SUFFIXES else ".so"
-    dest = lib_dir / f"{safe_name(target)}{suffix}"
+    dest = lib_dir / f"{safe_name(name)}{suffix}"
     if Path(library).resolve() == dest.resolve():
         return dest
     fd, tmp = tempfile.mkstemp(dir=lib_dir, prefix=".lib-", suffix=suffix)
     os.close(fd)
     try:
-        shutil.copyfile(library, tmp)
+        try:  # the compile cache and the store usually share a disk: no second copy
+            os.unlink(tmp)
+            os.link(library, tmp)
+        except OSError:
+            shutil.copyfile(library, tmp)
         os.replace(tmp, dest)
     finally:
         if os.path.exists(tmp):
