@@ -23,6 +23,8 @@ class Architecture:
     config_from_dict: Callable[[dict[str, Any]], Any]
     build: Callable[..., Any]  # (config, QuantMode, Target) -> nn.Module
     hf_params: Callable[[Any, ParamSource, set[str]], Iterator[tuple[str, np.ndarray]]]
+    # rnn only: bytes of the recurrent state of (config, max_batch_size) sequences
+    state_bytes: Callable[[Any, int], int] | None = None
 
 
 def _llama() -> Architecture:
@@ -38,17 +40,33 @@ def _llama() -> Architecture:
     )
 
 
+def _rwkv4() -> Architecture:
+    from localchat.engine.models import rwkv4
+
+    return Architecture(
+        name="rwkv4",
+        state="rnn",
+        config_from_hf=rwkv4.Rwkv4Config.from_hf,
+        config_from_dict=rwkv4.Rwkv4Config.from_dict,
+        build=rwkv4.Rwkv4ForCausalLM,
+        hf_params=rwkv4.hf_params,
+        state_bytes=rwkv4.state_bytes,
+    )
+
+
 _HF_ARCHITECTURES: dict[str, Callable[[], Architecture]] = {
     "LlamaForCausalLM": _llama,
     "MistralForCausalLM": _llama,
     "Qwen2ForCausalLM": _llama,
+    "RwkvForCausalLM": _rwkv4,
 }
 _MODEL_TYPES: dict[str, Callable[[], Architecture]] = {
     "llama": _llama,
     "mistral": _llama,
     "qwen2": _llama,
+    "rwkv": _rwkv4,
 }
-_BY_NAME: dict[str, Callable[[], Architecture]] = {"llama": _llama}
+_BY_NAME: dict[str, Callable[[], Architecture]] = {"llama": _llama, "rwkv4": _rwkv4}
 
 
 def register(name: str, factory: Callable[[], Architecture], hf_names: tuple[str, ...],

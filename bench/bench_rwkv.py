@@ -1,0 +1,329 @@
+"""RWKV-4 World 3B shape (hidden 2560, 32 layers, vocab 65 536) with random weights on this CPU:
+decode tok/s, prefill tok/s, peak RSS, and decode as a fraction of the memory roofline.
+
+    python bench/bench_rwkv.py [--quant q4f32_1 q0f32] [--layers 32] [--prompt 512]
+                               [--decode 32] [--chunk 128] [--chunks 64,128,256,512]
+
+No checkpoint is written: the library is compiled (cached under the user cache dir, in a child
+process so its memory does not count), then every parameter is generated with random values of
+its final dtype (packed 4-bit words and scales for q4 modes) straight into a TVM tensor, and the
+compiled functions are driven with the RNN state as `localchat.engine.runtime` drives them.
+
+With `--layers N` < 32 the per-layer times are extrapolated to 32 layers (time(L) = a + b L
+fitted from N and N/2 layers); the default runs the real depth. Weights read per decoded token
+are all parameters except the embedding table (of which one row is read); the roofline is that
+byte count over the machine's copy bandwidth (bytes read + written per second copying 1 GiB with
+numpy, the best of one and two threads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+WORLD_3B = {
+    "hidden_size": 2560,
+    "attention_hidden_size": 2560,
+    "intermediate_size": 10240,
+    "num_hidden_layers": 32,
+    "vocab_size": 65536,
+    "layer_norm_epsilon": 1e-5,
+    "rescale_every": 6,
+}
+
+
+def lib_dir() -> Path:
+    from platformdirs import user_cache_dir
+
+    root = os.environ.get("LOCALCHAT_HOME")
+    base = Path(root) / "cache" if root else Path(user_cache_dir("localchat"))
+    # the compile cache key does not cover kernel sources: key the folder by them
+    import hashlib
+
+    engine = Path(__file__).resolve().parent.parent / "app" / "engine"
+    h = hashlib.sha256()
+    for f in [engine / "models" / "rwkv4.py", engine / "models" / "layers.py"] + sorted(
+        engine.glob("kernels_*.py")
+    ):
+        h.update(f.read_bytes())
+    return base / "bench" / f"rwkv4-{h.hexdigest()[:12]}"
+
+
+def make_config(layers: int, chunk: int):
+    from localchat.engine.models.rwkv4 import Rwkv4Config
+
+    return Rwkv4Config(**{**WORLD_3B, "num_hidden_layers": layers}, prefill_chunk_size=chunk)
+
+
+def compile_lib(quant: str, layers: int) -> tuple[Path, float]:
+    from localchat.engine.compile import compile_library
+    from localchat.engine.device import cpu_target
+    from localchat.engine.models import get_architecture
+    from localchat.engine.quantization import get_quant_mode
+
+    lib = compile_library(
+        get_architecture("rwkv4"),
+        make_config(layers, 512),
+        get_quant_mode(quant),
+        cpu_target(),
+        lib_dir(),
+    )
+    return lib.path, lib.seconds
+
+
+def copy_bandwidth() -> dict[str, float]:
+    """Bytes moved (read + write) per second copying 1 GiB, one and two threads."""
+    a = np.ones(1 << 28, np.float32)
+    b = np.empty_like(a)
+    np.copyto(b, a)
+    out = {}
+    for threads in (1, 2):
+        parts = np.array_split(np.arange(a.size), threads)
+        bounds = [(int(p[0]), int(p[-1]) + 1) for p in parts]
+        best = float("inf")
+        for _ in range(4):
+            workers = [
+                threading.Thread(target=np.copyto, args=(b[lo:hi], a[lo:hi])) for lo, hi in bounds
+            ]
+            t0 = time.perf_counter()
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+            best = min(best, time.perf_counter() - t0)
+        out[f"copy_{threads}t_gb_s"] = 2 * a.nbytes / best / 1e9
+    del a, b
+    return out
+
+
+def random_params(model, dev, seed: int = 0) -> tuple[list, int, int]:
+    """Random tensors for every parameter; also (bytes in all, bytes of the embedding table)."""
+    import tvm
+
+    rng = np.random.default_rng(seed)
+    params, total, emb = [], 0, 0
+    for name, p in model.named_parameters():
+        shape, dtype = tuple(int(d) for d in p.shape), str(p.dtype)
+        if dtype == "uint32":
+            value = rng.integers(0, 2**32, size=shape, dtype=np.uint32)
+        elif name.endswith(".scale"):
+            value = (rng.random(shape, dtype=np.float32) * 0.004 + 0.001).astype(dtype)
+        elif name.endswith("time_decay"):
+            value = -np.exp(rng.standard_normal(shape, dtype=np.float32))
+        elif "time_mix" in name:
+            value = rng.random(shape, dtype=np.float32).astype(dtype)
+        elif name.split(".")[-2].startswith("ln") if "." in name else False:
+            value = np.ones(shape, dtype) if name.endswith("weight") else np.zeros(shape, dtype)
+        else:
+            value = (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(dtype)
+        params.append(tvm.runtime.tensor(value, dev))
+        total += value.nbytes
+        if name.startswith("embeddings."):
+            emb += value.nbytes
+        del value
+    return params, total, emb
+
+
+class Driver:
+    """The runtime's calls on a VM and its RNN state, for one sequence."""
+
+    def __init__(self, vm, params, dev) -> None:
+        import tvm
+        from tvm.runtime import ShapeTuple
+
+        self.tvm, self.ShapeTuple = tvm, ShapeTuple
+        self.vm, self.params, self.dev = vm, params, dev
+        g = tvm.get_global_func
+        self.add = g("vm.builtin.kv_state_add_sequence")
+        self.remove = g("vm.builtin.kv_state_remove_sequence")
+        self.begin = g("vm.builtin.kv_state_begin_forward")
+        self.end = g("vm.builtin.kv_state_end_forward")
+        self.state = vm["create_rnn_state"](ShapeTuple([4]), ShapeTuple([1]))
+        self.f = {n: vm[n] for n in ("embed", "prefill", "decode")}
+
+    def _embed(self, ids):
+        t = self.tvm.runtime.tensor(np.asarray(ids, np.int32), self.dev)
+        return self.f["embed"](t, self.params)
+
+    def prefill(self, seq: int, ids: list[int], chunk: int) -> np.ndarray:
+        out = None
+        for i in range(0, len(ids), chunk):
+            part = ids[i : i + chunk]
+            self.begin(self.state, self.ShapeTuple([seq]), self.ShapeTuple([len(part)]))
+            out = self.f["prefill"](self._embed(part), self.state, self.params)
+            self.end(self.state)
+        return out[0].numpy()
+
+    def decode(self, seq: int, tok: int) -> np.ndarray:
+        self.begin(self.state, self.ShapeTuple([seq]), self.ShapeTuple([1]))
+        out = self.f["decode"](self._embed([tok]), self.state, self.params)
+        self.end(self.state)
+        return out[0].numpy()
+
+
+def measure(quant: str, layers: int, prompt_len: int, steps: int, chunks: list[int]) -> dict:
+    import tvm
+    from tvm import relax
+
+    from localchat.engine.device import cpu_target
+    from localchat.engine.models import get_architecture
+    from localchat.engine.quantization import get_quant_mode
+
+    proc = subprocess.run(
+        [sys.executable, __file__, "--compile-only", quant, str(layers)],
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"compiling {quant} x{layers} failed:\n{proc.stderr[-3000:]}")
+    path = Path(proc.stdout.strip().splitlines()[-1])
+    dev = tvm.cpu()
+    vm = relax.VirtualMachine(tvm.runtime.load_module(str(path)), dev)
+    model = get_architecture("rwkv4").build(
+        make_config(layers, 512), get_quant_mode(quant), cpu_target()
+    )
+    t0 = time.perf_counter()
+    params, total_bytes, emb_bytes = random_params(model, dev)
+    gen_s = time.perf_counter() - t0
+    drv = Driver(vm, params, dev)
+    rng = np.random.default_rng(1)
+    prompt = [int(t) for t in rng.integers(1, 65536, prompt_len)]
+    result: dict = {
+        "quant": quant,
+        "layers": layers,
+        "weight_bytes": total_bytes,
+        "decode_bytes_per_token": total_bytes - emb_bytes,
+        "param_gen_s": gen_s,
+        "prefill": {},
+    }
+    drv.add(drv.state, 0)
+    drv.prefill(0, prompt[:8], 8)  # warm-up
+    for chunk in chunks:
+        drv.remove(drv.state, 0)
+        drv.add(drv.state, 0)
+        t0 = time.perf_counter()
+        logits = drv.prefill(0, prompt, chunk)
+        result["prefill"][chunk] = prompt_len / (time.perf_counter() - t0)
+    tok = int(np.argmax(logits))
+    drv.decode(0, tok)  # warm-up
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        tok = int(np.argmax(drv.decode(0, tok)))
+        times.append(time.perf_counter() - t0)
+    result["decode_s"] = float(np.median(times))
+    result["decode_tok_s"] = 1.0 / result["decode_s"]
+    result["peak_rss_gb"] = peak_rss_bytes() / 1e9
+    return result
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (VmHWM; ru_maxrss would include the parent's peak,
+    which Linux carries across exec)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_child(args: list[str]) -> dict:
+    """One measurement in a fresh process, so peak RSS is its own."""
+    proc = subprocess.run(
+        [sys.executable, __file__, "--measure", *args], capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"measurement {args} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quant", nargs="+", default=["q4f32_1", "q0f32"])
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--decode", type=int, default=32)
+    parser.add_argument("--chunks", default="128", help="prefill chunk sizes to try, e.g. 64,512")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--compile-only", nargs=2, metavar=("QUANT", "LAYERS"))
+    parser.add_argument(
+        "--measure", nargs=5, metavar=("QUANT", "LAYERS", "PROMPT", "DECODE", "CHUNKS")
+    )
+    args = parser.parse_args()
+    if args.compile_only:
+        path, seconds = compile_lib(args.compile_only[0], int(args.compile_only[1]))
+        print(f"compiled in {seconds:.1f} s" if seconds else "cached", file=sys.stderr)
+        print(path)
+        return
+    if args.measure:
+        q, layers, prompt, steps, chunks = args.measure
+        res = measure(q, int(layers), int(prompt), int(steps), [int(c) for c in chunks.split(",")])
+        print(json.dumps(res))
+        return
+
+    bw = copy_bandwidth()
+    roof_bw = max(bw.values()) * 1e9
+    print(
+        f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"TVM_NUM_THREADS={os.environ.get('TVM_NUM_THREADS', 'default')}"
+    )
+    print(
+        f"# copy bandwidth: 1 thread {bw['copy_1t_gb_s']:.1f} GB/s, "
+        f"2 threads {bw['copy_2t_gb_s']:.1f} GB/s (read + write)"
+    )
+    rows = []
+    for quant in args.quant:
+        depths = [args.layers] if args.layers == 32 else [args.layers // 2, args.layers]
+        runs = [
+            run_child([quant, str(d), str(args.prompt), str(args.decode), args.chunks])
+            for d in depths
+        ]
+        res = dict(runs[-1])
+        if len(runs) == 2:  # linear in depth: time(L) = a + b L
+            (l1, r1), (l2, r2) = (depths[0], runs[0]), (depths[1], runs[1])
+
+            def at32(t1: float, t2: float, l1=l1, l2=l2) -> float:
+                b = (t2 - t1) / (l2 - l1)
+                return t1 + b * (32 - l1)
+
+            res["decode_s"] = at32(r1["decode_s"], r2["decode_s"])
+            res["decode_tok_s"] = 1 / res["decode_s"]
+            res["prefill"] = {
+                c: args.prompt
+                / at32(args.prompt / r1["prefill"][c], args.prompt / r2["prefill"][c])
+                for c in r2["prefill"]
+            }
+            per_layer = (r2["decode_bytes_per_token"] - r1["decode_bytes_per_token"]) / (l2 - l1)
+            res["decode_bytes_per_token"] = r1["decode_bytes_per_token"] + per_layer * (32 - l1)
+            res["extrapolated_from"] = depths
+        roofline = roof_bw / res["decode_bytes_per_token"]
+        res["roofline_tok_s"] = roofline
+        res["roofline_fraction"] = res["decode_tok_s"] / roofline
+        rows.append(res)
+        pre = ", ".join(f"chunk {c}: {v:.1f}" for c, v in res["prefill"].items())
+        extra = f" (extrapolated from {res['extrapolated_from']} layers)" if len(runs) == 2 else ""
+        print(
+            f"{quant}{extra}: decode {res['decode_tok_s']:.2f} tok/s "
+            f"({res['decode_s'] * 1e3:.1f} ms/token), prefill {args.prompt} tok/s [{pre}], "
+            f"peak RSS {res['peak_rss_gb']:.2f} GB ({res['layers']} layers), "
+            f"weights read/token {res['decode_bytes_per_token'] / 1e9:.2f} GB, "
+            f"roofline {roofline:.2f} tok/s -> {res['roofline_fraction']:.0%} of roofline"
+        )
+    if args.json:
+        print(json.dumps({"bandwidth": bw, "results": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
