@@ -173,7 +173,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     model = Model(model_dir, args.device, max_total_tokens=args.context_window)
     engine = Engine(
         model,
-        template=args.template,
+        template="raw" if args.raw else args.template,
         context_window=args.context_window,
         overflow=args.overflow,
         config=config,
