@@ -17,6 +17,7 @@ import statistics
 import time
 
 import numpy as np
+
 from localchat.engine.generation_config import GenerationConfig
 from localchat.engine.sampler import Sampler
 
@@ -50,9 +51,10 @@ def smollm2_logits(steps: int = 32) -> np.ndarray:
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    import fixtures
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import fixtures
 
     folder = fixtures.smollm2_hf_dir()
     tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -8,12 +8,14 @@ import threading
 import time
 
 import pytest
-from fixtures import converted, smollm2_hf_dir
+
 from localchat.engine.chat import Engine, drop_oldest_turn
 from localchat.engine.events import ContextWindowError, FinishEvent, TokenEvent
 from localchat.engine.generation_config import GenerationConfig
 from localchat.engine.runtime import Model
 from localchat.errors import GenerationError
+
+from fixtures import converted, smollm2_hf_dir
 
 GREEDY = GenerationConfig(temperature=0.0)
 TURNS = ["What is the capital of France?", "And of Germany?", "Which of the two is bigger?"]

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from fixtures import converted, smollm2_hf_dir
 
 LOCALCHAT = str(Path(sys.executable).with_name("localchat"))

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-import fixtures
 import numpy as np
 import pytest
+
 from localchat.engine.detokenizer import (
     REPLACEMENT_CHAR,
     IncrementalDetokenizer,
@@ -15,6 +15,8 @@ from localchat.engine.detokenizer import (
     TextStream,
 )
 from localchat.engine.tokenizer import HFTokenizer
+
+import fixtures
 
 MULTILINGUAL = (
     "Hello, world! Ça va? Grüße aus Köln. Привет, как дела? 你好，世界。こんにちは、猫🐈が好き。"

@@ -26,13 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hub_server import (
-    HubServer,
-    folder_files,
-    tiny_llama_folder,
-    tiny_rwkv_folder,
-    with_decoys,
-)
+from rich.console import Console
+
 from localchat.downloader import files as repo_files
 from localchat.downloader.hub import HubClient
 from localchat.downloader.progress import RichProgress
@@ -52,7 +47,14 @@ from localchat.errors import (
     WeightsError,
 )
 from localchat.prebuilt import PrebuiltIndex, PrebuiltLibrary, PrebuiltWeights, index_to_toml
-from rich.console import Console
+
+from hub_server import (
+    HubServer,
+    folder_files,
+    tiny_llama_folder,
+    tiny_rwkv_folder,
+    with_decoys,
+)
 
 TESTS = Path(__file__).parent
 REPO = "org/tiny-llama"

@@ -6,11 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from fixtures import converted
-from llama_variants import build_variant
 
 from localchat.engine.device import backend_supported, device_present, select_device
 from localchat.engine.runtime import Model
+
+from fixtures import converted
+from llama_variants import build_variant
 
 GPU_KINDS = [k for k in ("cuda", "metal", "vulkan") if backend_supported(k) and device_present(k)]
 pytestmark = pytest.mark.skipif(not GPU_KINDS, reason="no GPU device on this machine")

@@ -8,7 +8,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hub_server import HubServer, git_blob_sha1
 from huggingface_hub import (
     HfApi,
     get_hf_file_metadata,
@@ -22,6 +21,8 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
+
+from hub_server import HubServer, git_blob_sha1
 
 WEIGHTS = os.urandom(300_000)
 FILES = {"config.json": b'{"model_type": "llama"}', "model.safetensors": WEIGHTS,

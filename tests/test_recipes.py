@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from localchat.errors import RecipeError, UnknownRecipeError
 from localchat.prebuilt import (
     PrebuiltIndex,

@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+
 from localchat.engine.generation_config import GenerationConfig
 from localchat.engine.sampler import Sampler, sample_batch
 from localchat.errors import GenerationError

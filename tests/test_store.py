@@ -11,6 +11,7 @@ from pathlib import Path
 
 import platformdirs
 import pytest
+
 from localchat.downloader.store import MODEL_CONFIG, Store
 from localchat.errors import ModelNotFoundError, StoreError
 

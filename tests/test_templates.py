@@ -16,8 +16,8 @@ import sys
 import tarfile
 from pathlib import Path
 
-import fixtures
 import pytest
+
 from localchat.engine.templates import (
     BUILTIN_TEMPLATES,
     JinjaTemplate,
@@ -28,6 +28,8 @@ from localchat.engine.templates import (
 )
 from localchat.engine.tokenizer import HFTokenizer
 from localchat.errors import GenerationError, ModelConfigError
+
+import fixtures
 
 LLAMA_CPP_SDIST = "llama-cpp-python==0.3.36"
 LLAMA_CPP_FILES = {

@@ -8,10 +8,12 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from fixtures import rwkv_package_dir
+
 from localchat.engine.tokenizer import load_tokenizer
 from localchat.engine.tokenizer_world import END_OF_TEXT, WorldTokenizer, read_world_vocab
 from localchat.errors import ModelConfigError
+
+from fixtures import rwkv_package_dir
 
 VOCAB_NAME = "rwkv_vocab_v20230424.txt"
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import numpy as np
+
 from localchat.engine.generation_config import GenerationConfig
 from localchat.errors import GenerationError
 
