@@ -20,8 +20,14 @@ binary floating point; LayerNorm makes the result scale-free up to its epsilon).
 
 Checkpoints: the HF layout (`rwkv.embeddings`, `rwkv.blocks.N.attention.*`, ...) and the original
 BlinkDL `.pth` layout (`emb.weight`, `blocks.N.att.*`, `blocks.N.ffn.*`, `blocks.0.ln0`); the
-converter reads either from a folder. `prepare_pth_source` turns a lone `.pth` file into such a
-folder, with a config.json inferred from the tensor shapes.
+converter reads either from a folder. A lone `.pth` file becomes such a folder with
+`prepare_pth_source` (or `python -m localchat.engine.models.rwkv4 FILE.pth FOLDER`): a config.json
+inferred from the tensor shapes, the checkpoint linked in, the World vocabulary copied when it lies
+next to the checkpoint; then `localchat convert FOLDER -o OUT` as for an HF folder.
+
+Decode (one token per sequence) runs its Linears in `kernels_gemv` (weights unpacked in
+registers); prefill uses the blocked kernels of `kernels_cpu` through `layers.Linear`; GPUs get
+dequantize + matmul and the GPU variants of the scan and state kernels.
 """
 
 from __future__ import annotations
@@ -569,3 +575,17 @@ def prepare_pth_source(pth: Path, dest: Path, *, rescale_every: int = 6) -> Path
     if vocab.exists() and not (dest / WORLD_VOCAB).exists():
         shutil.copy2(vocab, dest / WORLD_VOCAB)
     return dest
+
+
+if __name__ == "__main__":  # python -m localchat.engine.models.rwkv4 FILE.pth FOLDER
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        description="Make a converter-ready folder from a BlinkDL RWKV-4 .pth "
+        "(then: localchat convert FOLDER -o OUT)"
+    )
+    parser.add_argument("pth", type=Path)
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--rescale-every", type=int, default=6)
+    ns = parser.parse_args()
+    print(prepare_pth_source(ns.pth, ns.folder, rescale_every=ns.rescale_every))
