@@ -21,7 +21,12 @@ QUESTION = "What is the capital of France?"
 
 @pytest.fixture(scope="module")
 def model_dir() -> str:
-    return str(converted(smollm2_hf_dir(), "q0f32"))
+    path = converted(smollm2_hf_dir(), "q0f32")
+    # Compile here, once, so the CLI processes below (with their own timeouts) only load it.
+    from localchat.engine.runtime import Model
+
+    Model(path, "cpu")
+    return str(path)
 
 
 def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
