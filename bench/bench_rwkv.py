@@ -31,6 +31,10 @@ from pathlib import Path
 
 import numpy as np
 
+# TVM's CPU thread pool uses half the logical CPUs on x86 unless told (one thread on 2 vCPUs);
+# the runtime sets this too (runtime.py), the bench drives the VM itself.
+os.environ.setdefault("TVM_NUM_THREADS", str(os.cpu_count() or 1))
+
 WORLD_3B = {
     "hidden_size": 2560,
     "attention_hidden_size": 2560,

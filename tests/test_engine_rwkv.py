@@ -369,3 +369,37 @@ def test_cuda_kernels_build() -> None:
 
     sources = [m.inspect_source() for m in modules(ex.mod) if m.kind == "cuda"]
     assert sources and "wkv_scan" in sources[0]
+
+
+@pytest.mark.parametrize(
+    "k,n,m", [(128, 64, 1), (2560, 48, 1), (2560, 40, 3), (8192, 24, 1), (8192, 16, 2)]
+)
+def test_gemv_kernels_match_numpy(k: int, n: int, m: int) -> None:
+    """The decode kernels (4-bit: generic and AVX-512, short and long rows; float) against
+    numpy on the dequantized weights."""
+    import tvm
+
+    from localchat.engine import kernels_gemv
+    from localchat.engine.device import cpu_target
+    from localchat.engine.models.rwkv4 import _has_avx512
+    from localchat.engine.quantization import dequantize_q4, quantize_q4
+
+    rng = np.random.default_rng(k + n + m)
+    w = rng.standard_normal((n, k), dtype=np.float32) * 0.05
+    words, scale = quantize_q4(w, "float32")
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    target, dev = cpu_target(), tvm.cpu()
+
+    def run(func, *args) -> np.ndarray:
+        f = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target)
+        y = tvm.runtime.tensor(np.zeros((m, n), np.float32), dev)
+        f["main"](*[tvm.runtime.tensor(a, dev) for a in (x, *args)], y)
+        return y.numpy()
+
+    ref = x.astype(np.float64) @ dequantize_q4(words, scale).T.astype(np.float64)
+    variants = [False] + ([True] if _has_avx512(target) else [])
+    for avx512 in variants:
+        got = run(kernels_gemv.gemv_q4(k, n, "float32", avx512), words, scale)
+        assert rel_err(got, ref) <= 1e-5, f"q4 avx512={avx512}"
+    got = run(kernels_gemv.gemv_f(k, n, "float32"), w)
+    assert rel_err(got, x.astype(np.float64) @ w.T.astype(np.float64)) <= 1e-5

@@ -31,7 +31,9 @@ LANES = 16
 GROUPS_PER_VEC = LANES // WORDS_PER_GROUP  # 4
 ROWS = 4  # rows of W per work item
 VEC_UNROLL = 4  # word vectors of one row in flight (independent FMA chains)
-LONG_K = 4096  # beyond this reduction size the AVX-512 kernel pairs rows
+LONG_K = 4096  # beyond this reduction size the AVX-512 kernel shares x between rows
+LONG_ROWS = 8  # rows sharing each load of x when k > LONG_K
+LONG_VEC_UNROLL = 1  # word vectors in flight per row when k > LONG_K
 Q4_K_MULTIPLE = LANES * NIBBLES_PER_WORD  # gemv_q4 needs k to be a multiple of this
 
 
@@ -148,22 +150,20 @@ def _gemv_q4_avx512(k: int, n: int, dtype: str) -> tirx.PrimFunc:
     kw = k // NIBBLES_PER_WORD
     kg = k // GROUP_SIZE
     nv = kw // LANES
-    # One row at a time streams best while x (k floats) stays in L1; for long rows, rows in
-    # pairs share each load of x (measured on Zen 5: k = 2560 -> 22 GB/s single row vs 15 paired;
-    # k = 10240 -> 10 vs 14-16).
+    # One row at a time streams best while x (k floats) stays in L1; for long rows, blocks of
+    # rows share each load of x (Zen 5, 2 threads, weights streamed from DRAM: k = 2560 single
+    # row ~42 GB/s = the copy bandwidth; k = 10240: 1 row 19, 2 rows 23, 4 rows 26, 8 rows 30).
     if k <= LONG_K:
         rb, vu = 1, 1
     else:
-        rb, vu = _divisor(n, (2,)), _divisor(nv, (2,))
+        rb, vu = _divisor(n, (LONG_ROWS, 4, 2)), _divisor(nv, (LONG_VEC_UNROLL, 2))
     f32 = "float32"
     v16 = f"float32x{LANES}"
 
     def lookup(words_u32, p: int):
         """float(q_p - 8) for nibble p of 16 words: vpermps over the table -8..7."""
         shifted = (
-            words_u32
-            if p == 0
-            else T.shift_right(words_u32, T.Broadcast(T.uint32(4 * p), LANES))
+            words_u32 if p == 0 else T.shift_right(words_u32, T.Broadcast(T.uint32(4 * p), LANES))
         )
         table = T.Cast(v16, T.Ramp(T.int32(-8), T.int32(1), LANES))
         return T.call_llvm_pure_intrin(
@@ -216,9 +216,9 @@ def _gemv_q4_avx512(k: int, n: int, dtype: str) -> tirx.PrimFunc:
                         for jj in T.unroll(rb):
                             acc[T.Ramp((jj * vu + u) * LANES, 1, LANES)] = acc[
                                 T.Ramp((jj * vu + u) * LANES, 1, LANES)
-                            ] + lane_scale(
-                                s, jo * rb + jj, (vo * vu + u) * GROUPS_PER_VEC
-                            ) * dot(w, xp, jo * rb + jj, r, (vo * vu + u) * LANES)
+                            ] + lane_scale(s, jo * rb + jj, (vo * vu + u) * GROUPS_PER_VEC) * dot(
+                                w, xp, jo * rb + jj, r, (vo * vu + u) * LANES
+                            )
                 for jj in range(rb):
                     y[r, jo * rb + jj] = T.Cast(dtype, _sum_row(acc, jj, vu))
 
