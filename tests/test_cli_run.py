@@ -113,7 +113,22 @@ def test_missing_model_and_empty_message_are_one_line_errors(model_dir: str, tmp
 
 
 def test_interactive_chat_through_a_pty(model_dir: str) -> None:
-    pexpect = pytest.importorskip("pexpect")
+    pytest.importorskip("pexpect")
+    # pexpect forks this process before exec; after earlier tests it holds TVM and engine
+    # threads, and a fork of a threaded process can deadlock before exec. So the terminal
+    # session is driven from a fresh interpreter.
+    proc = subprocess.run(
+        [sys.executable, __file__, "drive-pty", model_dir],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def drive_interactive_chat(model_dir: str) -> None:
+    """The interactive session the test above checks (run in its own process)."""
+    import pexpect
     child = pexpect.spawn(
         LOCALCHAT,
         ["run", model_dir, "--max-tokens", "24"],
@@ -183,3 +198,7 @@ def test_interactive_chat_through_a_pty(model_dir: str) -> None:
     finally:
         child.close(force=True)
     assert child.exitstatus == 0, child.before
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["drive-pty"]:
+    drive_interactive_chat(sys.argv[2])
