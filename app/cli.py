@@ -212,6 +212,9 @@ def _chat_loop(engine: Any, chat: Any, args: argparse.Namespace) -> int:
         import readline  # noqa: F401 - line editing and history for input()
     except ImportError:
         pass
+    # Ctrl-C must reach us even when we were started with SIGINT ignored (a background job of a
+    # non-interactive shell): at the prompt it only prints a hint, during a reply it stops it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     _log(
         f"chatting with {engine.model.model_dir.name} ({engine.template.name} template, "
         f"{engine.context_window}-token window); /help for commands, /exit or Ctrl-D to leave"
