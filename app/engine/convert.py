@@ -71,7 +71,7 @@ def _model_params(
     expected = {name: p for name, p in model.named_parameters()}
     produced: set[str] = set()
     for name, value in arch.hf_params(config, weights.get, weights.names):
-        if name + "" not in expected:
+        if name not in expected:
             raise WeightsError(f"internal: converter produced unknown parameter {name}")
         value = np.asarray(value, dtype=np.float32)
         scale_name = name[: -len("weight")] + "scale"
