@@ -127,7 +127,7 @@ def gemv_q4(k: int, n: int, dtype: str, avx512: bool = False) -> tirx.PrimFunc:
                 xp[r, p, wd] = T.Cast(f32, x[r, wd * NIBBLES_PER_WORD + p])
                 xs[r, wd] = xs[r, wd] + T.Cast(f32, x[r, wd * NIBBLES_PER_WORD + p])
         for jo in T.parallel(n // rb):
-            acc = T.alloc_buffer((vu, LANES), f32, scope="local")
+            acc = T.alloc_buffer((vu, LANES), f32)
             for r, jj in T.grid(m, rb):
                 for u in T.unroll(vu):
                     for e in T.vectorized(LANES):
@@ -207,7 +207,7 @@ def _gemv_q4_avx512(k: int, n: int, dtype: str) -> tirx.PrimFunc:
             for p in range(NIBBLES_PER_WORD):
                 xp[r, p, wd] = T.Cast(f32, x[r, wd * NIBBLES_PER_WORD + p])
         for jo in T.parallel(n // rb):
-            acc = T.alloc_buffer((rb * vu * LANES,), f32, scope="local")
+            acc = T.alloc_buffer((rb * vu * LANES,), f32)
             for r in range(m):
                 for a in T.unroll(rb * vu):
                     acc[T.Ramp(a * LANES, 1, LANES)] = T.Broadcast(T.float32(0), LANES)
@@ -241,7 +241,7 @@ def gemv_f(k: int, n: int, dtype: str) -> tirx.PrimFunc:
         x = T.match_buffer(var_x, (m, k), dtype)
         y = T.match_buffer(var_y, (m, n), dtype)
         for jo in T.parallel(n // rb):
-            acc = T.alloc_buffer((vu, LANES), f32, scope="local")
+            acc = T.alloc_buffer((vu, LANES), f32)
             for r, jj in T.grid(m, rb):
                 for u in T.unroll(vu):
                     for e in T.vectorized(LANES):

@@ -112,14 +112,14 @@ def wkv_scan(channels: int, dtype: str, gpu: bool = False) -> tirx.PrimFunc:
         b_out = T.match_buffer(var_b_out, (nb, channels), f32)
         p_out = T.match_buffer(var_p_out, (nb, channels), f32)
         for co in T.parallel(channels // cl):
-            sa = T.alloc_buffer((cl,), f32, scope="local")
-            sb = T.alloc_buffer((cl,), f32, scope="local")
-            sp = T.alloc_buffer((cl,), f32, scope="local")
-            kk = T.alloc_buffer((cl,), f32, scope="local")
-            vv = T.alloc_buffer((cl,), f32, scope="local")
-            q = T.alloc_buffer((cl,), f32, scope="local")
-            e1 = T.alloc_buffer((cl,), f32, scope="local")
-            e2 = T.alloc_buffer((cl,), f32, scope="local")
+            sa = T.alloc_buffer((cl,), f32)
+            sb = T.alloc_buffer((cl,), f32)
+            sp = T.alloc_buffer((cl,), f32)
+            kk = T.alloc_buffer((cl,), f32)
+            vv = T.alloc_buffer((cl,), f32)
+            q = T.alloc_buffer((cl,), f32)
+            e1 = T.alloc_buffer((cl,), f32)
+            e2 = T.alloc_buffer((cl,), f32)
             for s in range(nb):
                 for e in T.vectorized(cl):
                     sa[e] = a_in[s, co * cl + e]
