@@ -2,18 +2,22 @@
 decode tok/s, prefill tok/s, peak RSS, and decode as a fraction of the memory roofline.
 
     python bench/bench_rwkv.py [--quant q4f32_1 q0f32] [--layers 32] [--prompt 512]
-                               [--decode 32] [--chunk 128] [--chunks 64,128,256,512]
+                               [--decode 32] [--chunks 64,128,256,512]
 
 No checkpoint is written: the library is compiled (cached under the user cache dir, in a child
 process so its memory does not count), then every parameter is generated with random values of
 its final dtype (packed 4-bit words and scales for q4 modes) straight into a TVM tensor, and the
 compiled functions are driven with the RNN state as `localchat.engine.runtime` drives them.
 
+Bandwidth is sampled before and after the runs and the medians are used (this VM's memory
+bandwidth drifts by tens of percent over minutes); besides the copy roofline the table gives the
+fraction of the read-only bandwidth of a compiled streaming sum, the ceiling for reading weights.
+
 With `--layers N` < 32 the per-layer times are extrapolated to 32 layers (time(L) = a + b L
 fitted from N and N/2 layers); the default runs the real depth. Weights read per decoded token
 are all parameters except the embedding table (of which one row is read); the roofline is that
 byte count over the machine's copy bandwidth (bytes read + written per second copying 1 GiB with
-numpy, the best of one and two threads).
+numpy, the better median of one and two threads).
 """
 
 from __future__ import annotations
@@ -85,17 +89,18 @@ def compile_lib(quant: str, layers: int) -> tuple[Path, float]:
     return lib.path, lib.seconds
 
 
-def copy_bandwidth() -> dict[str, float]:
-    """Bytes moved (read + write) per second copying 1 GiB, one and two threads."""
+def copy_bandwidth(samples: int = 5) -> dict[str, list[float]]:
+    """Bytes moved (read + write) per second copying 1 GiB with numpy, one and two threads:
+    `samples` timings each (this VM's bandwidth swings between runs, so callers take medians)."""
     a = np.ones(1 << 28, np.float32)
     b = np.empty_like(a)
     np.copyto(b, a)
-    out = {}
+    out: dict[str, list[float]] = {}
     for threads in (1, 2):
         parts = np.array_split(np.arange(a.size), threads)
         bounds = [(int(p[0]), int(p[-1]) + 1) for p in parts]
-        best = float("inf")
-        for _ in range(4):
+        rates = []
+        for _ in range(samples):
             workers = [
                 threading.Thread(target=np.copyto, args=(b[lo:hi], a[lo:hi])) for lo, hi in bounds
             ]
@@ -104,10 +109,49 @@ def copy_bandwidth() -> dict[str, float]:
                 w.start()
             for w in workers:
                 w.join()
-            best = min(best, time.perf_counter() - t0)
-        out[f"copy_{threads}t_gb_s"] = 2 * a.nbytes / best / 1e9
+            rates.append(2 * a.nbytes / (time.perf_counter() - t0) / 1e9)
+        out[f"copy_{threads}t_gb_s"] = rates
     del a, b
     return out
+
+
+def read_bandwidth(samples: int = 5) -> list[float]:
+    """Bytes read per second summing 1 GiB of float32 in a compiled kernel on all threads
+    (16-lane vectors, 4 independent accumulators per thread): what streaming weights can reach."""
+    import tvm
+    from tvm.script import tirx as T
+
+    from localchat.engine.device import cpu_target
+
+    threads, n = os.cpu_count() or 1, 1 << 28
+    per = n // threads
+
+    @T.prim_func
+    def total(a: T.Buffer((n,), "float32"), out: T.Buffer((threads, 16), "float32")):
+        T.func_attr({"tir.noalias": True, "global_symbol": "main"})
+        for t in T.parallel(threads):
+            acc = T.alloc_buffer((4, 16), "float32")
+            for u in T.unroll(4):
+                for e in T.vectorized(16):
+                    acc[u, e] = T.float32(0)
+            for i in range(per // 64):
+                for u in T.unroll(4):
+                    for e in T.vectorized(16):
+                        acc[u, e] = acc[u, e] + a[t * per + i * 64 + u * 16 + e]
+            for e in T.vectorized(16):
+                out[t, e] = acc[0, e] + acc[1, e] + acc[2, e] + acc[3, e]
+
+    fn = tvm.compile(tvm.IRModule({"main": total}), target=cpu_target())["main"]
+    dev = tvm.cpu()
+    a = tvm.runtime.tensor(np.ones(n, np.float32), dev)
+    out = tvm.runtime.tensor(np.zeros((threads, 16), np.float32), dev)
+    fn(a, out)
+    rates = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        fn(a, out)
+        rates.append(n * 4 / (time.perf_counter() - t0) / 1e9)
+    return rates
 
 
 def random_params(model, dev, seed: int = 0) -> tuple[list, int, int]:
@@ -277,15 +321,18 @@ def main() -> None:
         print(json.dumps(res))
         return
 
-    bw = copy_bandwidth()
-    roof_bw = max(bw.values()) * 1e9
+    # bandwidth before and after the runs (medians; this VM's bandwidth drifts over minutes)
+    bw = {"copy_1t_gb_s": [], "copy_2t_gb_s": [], "read_gb_s": []}
+
+    def sample_bandwidth() -> None:
+        for key, rates in copy_bandwidth().items():
+            bw[key] += rates
+        bw["read_gb_s"] += read_bandwidth()
+
+    sample_bandwidth()
     print(
         f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"TVM_NUM_THREADS={os.environ.get('TVM_NUM_THREADS', 'default')}"
-    )
-    print(
-        f"# copy bandwidth: 1 thread {bw['copy_1t_gb_s']:.1f} GB/s, "
-        f"2 threads {bw['copy_2t_gb_s']:.1f} GB/s (read + write)"
     )
     rows = []
     for quant in args.quant:
@@ -312,18 +359,43 @@ def main() -> None:
             per_layer = (r2["decode_bytes_per_token"] - r1["decode_bytes_per_token"]) / (l2 - l1)
             res["decode_bytes_per_token"] = r1["decode_bytes_per_token"] + per_layer * (32 - l1)
             res["extrapolated_from"] = depths
-        roofline = roof_bw / res["decode_bytes_per_token"]
-        res["roofline_tok_s"] = roofline
-        res["roofline_fraction"] = res["decode_tok_s"] / roofline
         rows.append(res)
-        pre = ", ".join(f"chunk {c}: {v:.1f}" for c, v in res["prefill"].items())
-        extra = f" (extrapolated from {res['extrapolated_from']} layers)" if len(runs) == 2 else ""
+    sample_bandwidth()
+    med = {key: float(np.median(rates)) for key, rates in bw.items()}
+    copy_bw = max(med["copy_1t_gb_s"], med["copy_2t_gb_s"])
+    for key, label in (("copy_1t_gb_s", "copy, 1 thread"), ("copy_2t_gb_s", "copy, 2 threads")):
         print(
-            f"{quant}{extra}: decode {res['decode_tok_s']:.2f} tok/s "
-            f"({res['decode_s'] * 1e3:.1f} ms/token), prefill {args.prompt} tok/s [{pre}], "
-            f"peak RSS {res['peak_rss_gb']:.2f} GB ({res['layers']} layers), "
-            f"weights read/token {res['decode_bytes_per_token'] / 1e9:.2f} GB, "
-            f"roofline {roofline:.2f} tok/s -> {res['roofline_fraction']:.0%} of roofline"
+            f"# {label}: median {med[key]:.1f} GB/s (read + write; "
+            f"{min(bw[key]):.1f}-{max(bw[key]):.1f} over {len(bw[key])} samples)"
+        )
+    print(
+        f"# read (compiled streaming sum): median {med['read_gb_s']:.1f} GB/s "
+        f"({min(bw['read_gb_s']):.1f}-{max(bw['read_gb_s']):.1f})"
+    )
+    print(
+        "# roofline = weight bytes read per token / bandwidth; "
+        f"copy roofline uses {copy_bw:.1f} GB/s (the issue's definition), read roofline "
+        f"{med['read_gb_s']:.1f} GB/s"
+    )
+    print()
+    print(
+        "| mode | decode tok/s | ms/token | GB read/token | of copy roofline | of read roofline "
+        f"| prefill {args.prompt} tok/s | peak RSS GB |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for res in rows:
+        per_token = res["decode_bytes_per_token"]
+        res["roofline_tok_s"] = copy_bw * 1e9 / per_token
+        res["roofline_fraction"] = res["decode_tok_s"] / res["roofline_tok_s"]
+        res["read_roofline_fraction"] = res["decode_tok_s"] * per_token / (med["read_gb_s"] * 1e9)
+        pre = ", ".join(f"{v:.1f} (chunk {c})" for c, v in res["prefill"].items())
+        extra = ""
+        if "extrapolated_from" in res:
+            extra = f" (from {res['extrapolated_from']} layers)"
+        print(
+            f"| {res['quant']}{extra} | {res['decode_tok_s']:.2f} | {res['decode_s'] * 1e3:.1f} "
+            f"| {per_token / 1e9:.2f} | {res['roofline_fraction']:.0%} "
+            f"| {res['read_roofline_fraction']:.0%} | {pre} | {res['peak_rss_gb']:.2f} |"
         )
     if args.json:
         print(json.dumps({"bandwidth": bw, "results": rows}, indent=2))
