@@ -295,8 +295,11 @@ def test_state_size_is_reported(model: Model) -> None:
 
 
 def test_localchat_run_on_an_rwkv_model_dir() -> None:
+    """`localchat run` chats with a converted RWKV folder with no --template: the checkpoint has
+    no chat template, so conversion records the architecture's (rwkv_world)."""
     out = converted(build_variant("rwkv4-world"), "q4f32_1")
     assert (out / "rwkv_vocab_v20230424.txt").exists()
+    assert json.loads((out / "localchat-config.json").read_text())["template"] == "rwkv_world"
     proc = subprocess.run(
         [
             sys.executable,
@@ -310,8 +313,6 @@ def test_localchat_run_on_an_rwkv_model_dir() -> None:
             "8",
             "--device",
             "cpu",
-            "--template",
-            "rwkv_world",
         ],
         capture_output=True,
         text=True,

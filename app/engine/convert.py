@@ -22,6 +22,7 @@ import numpy as np
 
 from localchat.engine.models import Architecture, detect_architecture
 from localchat.engine.quantization import QuantMode, get_quant_mode, quantize_q4
+from localchat.engine.templates import load_chat_template
 from localchat.engine.tokenizer import WORLD_VOCAB_FILE, read_json
 from localchat.engine.weights import WeightSource, open_weights
 from localchat.errors import ModelConfigError, WeightsError
@@ -141,6 +142,8 @@ def convert_model(
             "param_names": param_names(arch, config, mode),
             "source": source_info or {"path": str(source_dir.resolve())},
         }
+        if arch.default_template and load_chat_template(tmp) is None:
+            meta["template"] = arch.default_template
         (tmp / MODEL_CONFIG_FILE).write_text(json.dumps(meta, indent=2))
         _replace_dir(tmp, output_dir)
     return output_dir

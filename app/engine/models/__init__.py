@@ -25,6 +25,8 @@ class Architecture:
     hf_params: Callable[[Any, ParamSource, set[str]], Iterator[tuple[str, np.ndarray]]]
     # rnn only: bytes of the recurrent state of (config, max_batch_size) sequences
     state_bytes: Callable[[Any, int], int] | None = None
+    # built-in conversation template for checkpoints that ship no chat template of their own
+    default_template: str | None = None
 
 
 def _llama() -> Architecture:
@@ -51,6 +53,7 @@ def _rwkv4() -> Architecture:
         build=rwkv4.Rwkv4ForCausalLM,
         hf_params=rwkv4.hf_params,
         state_bytes=rwkv4.state_bytes,
+        default_template="rwkv_world",
     )
 
 
