@@ -9,15 +9,16 @@ process so its memory does not count), then every parameter is generated with ra
 its final dtype (packed 4-bit words and scales for q4 modes) straight into a TVM tensor, and the
 compiled functions are driven with the RNN state as `localchat.engine.runtime` drives them.
 
-Bandwidth is sampled before and after the runs and the medians are used (this VM's memory
-bandwidth drifts by tens of percent over minutes); besides the copy roofline the table gives the
-fraction of the read-only bandwidth of a compiled streaming sum, the ceiling for reading weights.
+Decode runs in rounds with the memory bandwidth sampled before and after each (this VM's
+bandwidth follows its neighbours' load and swings by tens of percent within minutes), and each
+round's weight bytes per second is divided by the bandwidth measured around it; the table gives
+the median over rounds. Weights read per decoded token are all parameters except the embedding
+table (of which one row is read). Two roofs: the copy bandwidth (bytes read + written per second
+copying 1 GiB with numpy, the better of one and two threads: the issue's definition) and the
+read bandwidth of a compiled streaming sum (the ceiling for reading weights).
 
 With `--layers N` < 32 the per-layer times are extrapolated to 32 layers (time(L) = a + b L
-fitted from N and N/2 layers); the default runs the real depth. Weights read per decoded token
-are all parameters except the embedding table (of which one row is read); the roofline is that
-byte count over the machine's copy bandwidth (bytes read + written per second copying 1 GiB with
-numpy, the better median of one and two threads).
+fitted from N and N/2 layers); the default runs the real depth.
 """
 
 from __future__ import annotations
@@ -89,69 +90,78 @@ def compile_lib(quant: str, layers: int) -> tuple[Path, float]:
     return lib.path, lib.seconds
 
 
-def copy_bandwidth(samples: int = 5) -> dict[str, list[float]]:
-    """Bytes moved (read + write) per second copying 1 GiB with numpy, one and two threads:
-    `samples` timings each (this VM's bandwidth swings between runs, so callers take medians)."""
-    a = np.ones(1 << 28, np.float32)
-    b = np.empty_like(a)
-    np.copyto(b, a)
-    out: dict[str, list[float]] = {}
-    for threads in (1, 2):
-        parts = np.array_split(np.arange(a.size), threads)
-        bounds = [(int(p[0]), int(p[-1]) + 1) for p in parts]
-        rates = []
-        for _ in range(samples):
+class Bandwidth:
+    """Memory bandwidth probes, buffers allocated once so they can be sampled between decode
+    rounds (this VM's bandwidth follows its neighbours' load, so a roofline fraction is only
+    fair against bandwidth measured at the same moment)."""
+
+    SIZE = 1 << 28  # float32 elements: 1 GiB
+
+    def __init__(self) -> None:
+        self.a = np.ones(self.SIZE, np.float32)
+        self.b = np.empty_like(self.a)
+        np.copyto(self.b, self.a)
+        self._read_fn, self._read_args = self._read_kernel()
+
+    def copy(self) -> float:
+        """Bytes moved (read + written) per second copying 1 GiB with numpy, the better of one
+        and two threads."""
+        best = 0.0
+        for threads in (1, 2):
+            parts = np.array_split(np.arange(self.SIZE), threads)
+            bounds = [(int(p[0]), int(p[-1]) + 1) for p in parts]
             workers = [
-                threading.Thread(target=np.copyto, args=(b[lo:hi], a[lo:hi])) for lo, hi in bounds
+                threading.Thread(target=np.copyto, args=(self.b[lo:hi], self.a[lo:hi]))
+                for lo, hi in bounds
             ]
             t0 = time.perf_counter()
             for w in workers:
                 w.start()
             for w in workers:
                 w.join()
-            rates.append(2 * a.nbytes / (time.perf_counter() - t0) / 1e9)
-        out[f"copy_{threads}t_gb_s"] = rates
-    del a, b
-    return out
+            best = max(best, 2 * self.a.nbytes / (time.perf_counter() - t0) / 1e9)
+        return best
 
-
-def read_bandwidth(samples: int = 5) -> list[float]:
-    """Bytes read per second summing 1 GiB of float32 in a compiled kernel on all threads
-    (16-lane vectors, 4 independent accumulators per thread): what streaming weights can reach."""
-    import tvm
-    from tvm.script import tirx as T
-
-    from localchat.engine.device import cpu_target
-
-    threads, n = os.cpu_count() or 1, 1 << 28
-    per = n // threads
-
-    @T.prim_func
-    def total(a: T.Buffer((n,), "float32"), out: T.Buffer((threads, 16), "float32")):
-        T.func_attr({"tir.noalias": True, "global_symbol": "main"})
-        for t in T.parallel(threads):
-            acc = T.alloc_buffer((4, 16), "float32")
-            for u in T.unroll(4):
-                for e in T.vectorized(16):
-                    acc[u, e] = T.float32(0)
-            for i in range(per // 64):
-                for u in T.unroll(4):
-                    for e in T.vectorized(16):
-                        acc[u, e] = acc[u, e] + a[t * per + i * 64 + u * 16 + e]
-            for e in T.vectorized(16):
-                out[t, e] = acc[0, e] + acc[1, e] + acc[2, e] + acc[3, e]
-
-    fn = tvm.compile(tvm.IRModule({"main": total}), target=cpu_target())["main"]
-    dev = tvm.cpu()
-    a = tvm.runtime.tensor(np.ones(n, np.float32), dev)
-    out = tvm.runtime.tensor(np.zeros((threads, 16), np.float32), dev)
-    fn(a, out)
-    rates = []
-    for _ in range(samples):
+    def read(self) -> float:
+        """Bytes read per second summing 1 GiB in a compiled kernel on all threads."""
         t0 = time.perf_counter()
-        fn(a, out)
-        rates.append(n * 4 / (time.perf_counter() - t0) / 1e9)
-    return rates
+        self._read_fn(*self._read_args)
+        return self.a.nbytes / (time.perf_counter() - t0) / 1e9
+
+    def _read_kernel(self):
+        """A streaming sum: per thread 4 interleaved streams (one stream per core leaves the
+        hardware prefetchers short of work), 16-lane vectors."""
+        import tvm
+        from tvm.script import tirx as T
+
+        from localchat.engine.device import cpu_target
+
+        threads, n, streams = os.cpu_count() or 1, self.SIZE, 4
+        per = n // threads // streams
+
+        @T.prim_func
+        def total(a: T.Buffer((n,), "float32"), out: T.Buffer((threads, 16), "float32")):
+            T.func_attr({"tir.noalias": True, "global_symbol": "main"})
+            for t in T.parallel(threads):
+                acc = T.alloc_buffer((streams, 16), "float32")
+                for u in T.unroll(streams):
+                    for e in T.vectorized(16):
+                        acc[u, e] = T.float32(0)
+                for i in range(per // 16):
+                    for u in T.unroll(streams):
+                        for e in T.vectorized(16):
+                            acc[u, e] = acc[u, e] + a[(t * streams + u) * per + i * 16 + e]
+                for e in T.vectorized(16):
+                    out[t, e] = acc[0, e] + acc[1, e] + acc[2, e] + acc[3, e]
+
+        fn = tvm.compile(tvm.IRModule({"main": total}), target=cpu_target())["main"]
+        dev = tvm.cpu()
+        args = (
+            tvm.runtime.tensor(self.a, dev),
+            tvm.runtime.tensor(np.zeros((threads, 16), np.float32), dev),
+        )
+        fn(*args)
+        return fn, args
 
 
 def random_params(model, dev, seed: int = 0) -> tuple[list, int, int]:
@@ -219,6 +229,9 @@ class Driver:
         return out[0].numpy()
 
 
+ROUNDS = 4  # decode rounds per measurement, with bandwidth sampled before and after each
+
+
 def measure(quant: str, layers: int, prompt_len: int, steps: int, chunks: list[int]) -> dict:
     import tvm
     from tvm import relax
@@ -264,14 +277,30 @@ def measure(quant: str, layers: int, prompt_len: int, steps: int, chunks: list[i
         result["prefill"][chunk] = prompt_len / (time.perf_counter() - t0)
     tok = int(np.argmax(logits))
     drv.decode(0, tok)  # warm-up
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        tok = int(np.argmax(drv.decode(0, tok)))
-        times.append(time.perf_counter() - t0)
+    result["peak_rss_gb"] = peak_rss_bytes() / 1e9  # before the bandwidth buffers
+    # decode in rounds, each between two bandwidth samples: the fraction of a round is its
+    # weight bytes per second over the mean bandwidth sampled around it
+    bw = Bandwidth()
+    rounds = max(1, min(ROUNDS, steps))
+    copy, read = [bw.copy()], [bw.read()]
+    times, copy_frac, read_frac = [], [], []
+    for r in range(rounds):
+        part = []
+        for _ in range(steps // rounds + (r < steps % rounds)):
+            t0 = time.perf_counter()
+            tok = int(np.argmax(drv.decode(0, tok)))
+            part.append(time.perf_counter() - t0)
+        copy.append(bw.copy())
+        read.append(bw.read())
+        rate = result["decode_bytes_per_token"] / float(np.median(part)) / 1e9
+        copy_frac.append(rate / ((copy[-2] + copy[-1]) / 2))
+        read_frac.append(rate / ((read[-2] + read[-1]) / 2))
+        times += part
     result["decode_s"] = float(np.median(times))
     result["decode_tok_s"] = 1.0 / result["decode_s"]
-    result["peak_rss_gb"] = peak_rss_bytes() / 1e9
+    result["copy_gb_s"], result["read_gb_s"] = copy, read
+    result["roofline_fraction"] = float(np.median(copy_frac))
+    result["read_roofline_fraction"] = float(np.median(read_frac))
     return result
 
 
@@ -295,6 +324,10 @@ def run_child(args: list[str]) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"measurement {args} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _spread(rates: list[float]) -> str:
+    return f"{np.median(rates):.1f} ({min(rates):.0f}-{max(rates):.0f})"
 
 
 def main() -> None:
@@ -321,15 +354,6 @@ def main() -> None:
         print(json.dumps(res))
         return
 
-    # bandwidth before and after the runs (medians; this VM's bandwidth drifts over minutes)
-    bw = {"copy_1t_gb_s": [], "copy_2t_gb_s": [], "read_gb_s": []}
-
-    def sample_bandwidth() -> None:
-        for key, rates in copy_bandwidth().items():
-            bw[key] += rates
-        bw["read_gb_s"] += read_bandwidth()
-
-    sample_bandwidth()
     print(
         f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"TVM_NUM_THREADS={os.environ.get('TVM_NUM_THREADS', 'default')}"
@@ -359,46 +383,36 @@ def main() -> None:
             per_layer = (r2["decode_bytes_per_token"] - r1["decode_bytes_per_token"]) / (l2 - l1)
             res["decode_bytes_per_token"] = r1["decode_bytes_per_token"] + per_layer * (32 - l1)
             res["extrapolated_from"] = depths
+        if len(runs) == 2:  # fractions of the extrapolated time at the deeper run's bandwidth
+            rate = res["decode_tok_s"] * res["decode_bytes_per_token"] / 1e9
+            res["roofline_fraction"] = rate / float(np.median(res["copy_gb_s"]))
+            res["read_roofline_fraction"] = rate / float(np.median(res["read_gb_s"]))
         rows.append(res)
-    sample_bandwidth()
-    med = {key: float(np.median(rates)) for key, rates in bw.items()}
-    copy_bw = max(med["copy_1t_gb_s"], med["copy_2t_gb_s"])
-    for key, label in (("copy_1t_gb_s", "copy, 1 thread"), ("copy_2t_gb_s", "copy, 2 threads")):
-        print(
-            f"# {label}: median {med[key]:.1f} GB/s (read + write; "
-            f"{min(bw[key]):.1f}-{max(bw[key]):.1f} over {len(bw[key])} samples)"
-        )
     print(
-        f"# read (compiled streaming sum): median {med['read_gb_s']:.1f} GB/s "
-        f"({min(bw['read_gb_s']):.1f}-{max(bw['read_gb_s']):.1f})"
-    )
-    print(
-        "# roofline = weight bytes read per token / bandwidth; "
-        f"copy roofline uses {copy_bw:.1f} GB/s (the issue's definition), read roofline "
-        f"{med['read_gb_s']:.1f} GB/s"
+        "# roofline = weight bytes read per token / memory bandwidth, sampled between decode "
+        "rounds: copy = numpy copy of 1 GiB (read + write, the issue's definition), "
+        "read = compiled streaming sum"
     )
     print()
     print(
-        "| mode | decode tok/s | ms/token | GB read/token | of copy roofline | of read roofline "
-        f"| prefill {args.prompt} tok/s | peak RSS GB |"
+        f"| mode | decode tok/s | ms/token | GB read/token | copy GB/s | of copy roofline "
+        f"| read GB/s | of read roofline | prefill {args.prompt} tok/s | peak RSS GB |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for res in rows:
-        per_token = res["decode_bytes_per_token"]
-        res["roofline_tok_s"] = copy_bw * 1e9 / per_token
-        res["roofline_fraction"] = res["decode_tok_s"] / res["roofline_tok_s"]
-        res["read_roofline_fraction"] = res["decode_tok_s"] * per_token / (med["read_gb_s"] * 1e9)
         pre = ", ".join(f"{v:.1f} (chunk {c})" for c, v in res["prefill"].items())
         extra = ""
         if "extrapolated_from" in res:
             extra = f" (from {res['extrapolated_from']} layers)"
         print(
             f"| {res['quant']}{extra} | {res['decode_tok_s']:.2f} | {res['decode_s'] * 1e3:.1f} "
-            f"| {per_token / 1e9:.2f} | {res['roofline_fraction']:.0%} "
-            f"| {res['read_roofline_fraction']:.0%} | {pre} | {res['peak_rss_gb']:.2f} |"
+            f"| {res['decode_bytes_per_token'] / 1e9:.2f} "
+            f"| {_spread(res['copy_gb_s'])} | {res['roofline_fraction']:.0%} "
+            f"| {_spread(res['read_gb_s'])} | {res['read_roofline_fraction']:.0%} "
+            f"| {pre} | {res['peak_rss_gb']:.2f} |"
         )
     if args.json:
-        print(json.dumps({"bandwidth": bw, "results": rows}, indent=2))
+        print(json.dumps({"results": rows}, indent=2))
 
 
 if __name__ == "__main__":
