@@ -56,7 +56,7 @@ def lib_dir() -> Path:
 
     root = os.environ.get("LOCALCHAT_HOME")
     base = Path(root) / "cache" if root else Path(user_cache_dir("localchat"))
-    # the compile cache key does not cover kernel sources: key the folder by them
+    # one folder per kernel version, so libraries of older kernels do not pile up in one place
     import hashlib
 
     engine = Path(__file__).resolve().parent.parent / "app" / "engine"

@@ -27,7 +27,7 @@ STEPS = 20
 
 def converted(src: Path, quant: str) -> Path:
     """fixtures.converted, with compiled libraries dropped when the RWKV kernels changed (the
-    compile cache key does not cover kernel sources, nor does the fixture digest)."""
+    library key covers kernel sources, so stale libraries would only pile up in the cache)."""
     import hashlib
 
     out = _converted(src, quant)
@@ -351,6 +351,7 @@ def test_multi_turn_feeds_only_the_new_turn(world_engine) -> None:
     """The recurrent state carries the conversation: each new turn prefills only its own
     tokens (rwkv_world template, World tokenizer)."""
     assert world_engine.template.name == "rwkv_world"
+    assert world_engine.tokenizer._pattern is not None  # warmed up at load, not at the 1st reply
     with world_engine.conversation() as chat:
         stats = []
         for turn in WORLD_TURNS:

@@ -201,3 +201,11 @@ def test_malformed_vocabulary_is_a_config_error(tmp_path: Path, vocab_path: Path
     bad.write_text("1 'ab' 3\n", encoding="utf-8")
     with pytest.raises(ModelConfigError):
         read_world_vocab(bad)
+
+
+def test_warm_up_builds_the_matcher_before_the_first_encode(vocab_path: Path) -> None:
+    fresh = WorldTokenizer(vocab_path)
+    assert fresh._pattern is None  # built lazily: constructing a tokenizer stays cheap
+    fresh.warm_up()
+    assert fresh._pattern is not None
+    assert fresh.encode("Hello") == WorldTokenizer(vocab_path).encode("Hello")

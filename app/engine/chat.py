@@ -79,6 +79,9 @@ class Engine:
     ) -> None:
         self.model = model if isinstance(model, Model) else Model(Path(model), device)
         self.tokenizer = self.model.tokenizer
+        warm_up = getattr(self.tokenizer, "warm_up", None)
+        if warm_up is not None:  # a lazily built tokenizer: pay at load, not at the first reply
+            warm_up()
         self.vocab_size = int(self.model.meta.get("vocab_size") or self.tokenizer.vocab_size)
         model_dir = self.model.model_dir
         if isinstance(template, ConversationTemplate):

@@ -76,6 +76,10 @@ class WorldTokenizer:
         """Number of token ids the model's embedding has (65536 for RWKV World)."""
         return self._vocab_size
 
+    def warm_up(self) -> None:
+        """Compile the matcher now (1-2 s) rather than in the first `encode`."""
+        self._matcher()
+
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` (no end-of-text added); the first call compiles the matcher."""
         return self.encode_bytes(text.encode("utf-8"))
