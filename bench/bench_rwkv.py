@@ -108,8 +108,9 @@ class Bandwidth:
         and two threads."""
         best = 0.0
         for threads in (1, 2):
-            parts = np.array_split(np.arange(self.SIZE), threads)
-            bounds = [(int(p[0]), int(p[-1]) + 1) for p in parts]
+            bounds = [
+                (i * self.SIZE // threads, (i + 1) * self.SIZE // threads) for i in range(threads)
+            ]
             workers = [
                 threading.Thread(target=np.copyto, args=(self.b[lo:hi], self.a[lo:hi]))
                 for lo, hi in bounds
@@ -383,7 +384,7 @@ def main() -> None:
             per_layer = (r2["decode_bytes_per_token"] - r1["decode_bytes_per_token"]) / (l2 - l1)
             res["decode_bytes_per_token"] = r1["decode_bytes_per_token"] + per_layer * (32 - l1)
             res["extrapolated_from"] = depths
-        if len(runs) == 2:  # fractions of the extrapolated time at the deeper run's bandwidth
+            # fractions of the extrapolated time at the deeper run's bandwidth
             rate = res["decode_tok_s"] * res["decode_bytes_per_token"] / 1e9
             res["roofline_fraction"] = rate / float(np.median(res["copy_gb_s"]))
             res["read_roofline_fraction"] = rate / float(np.median(res["read_gb_s"]))

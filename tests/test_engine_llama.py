@@ -10,6 +10,7 @@ from localchat.engine.runtime import Model
 
 from fixtures import converted
 from llama_variants import VARIANTS, build_variant
+from model_oracle import rel_err, run_teacher_forced
 
 PROMPT = [int(t) for t in np.random.RandomState(7).randint(0, 512, 24)]
 STEPS = 20
@@ -32,20 +33,6 @@ def hf_greedy(src, prompt: list[int], steps: int) -> tuple[list[int], list[np.nd
     return out.sequences[0, len(prompt) :].tolist(), [lg[0].numpy() for lg in out.logits]
 
 
-def run_teacher_forced(model: Model, prompt: list[int], tokens: list[int]) -> list[np.ndarray]:
-    """Our logits before each of `tokens`, feeding the reference tokens (teacher forcing)."""
-    seq = model.new_sequence()
-    try:
-        logits = [model.prefill(seq, prompt)]
-        for tok in tokens[:-1]:
-            logits.append(model.decode([seq], [tok])[0])
-        return logits
-    finally:
-        model.remove(seq)
-
-
-def rel_err(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.abs(a - b).max() / np.abs(b).max())
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

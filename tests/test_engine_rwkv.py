@@ -19,6 +19,7 @@ from localchat.engine.runtime import Model
 
 from fixtures import cache_dir, rwkv_package_dir
 from fixtures import converted as _converted
+from model_oracle import rel_err, run_teacher_forced
 from rwkv_variants import BASE, build_variant
 
 PROMPT = [int(t) for t in np.random.RandomState(7).randint(0, BASE["vocab_size"], 24)]
@@ -41,9 +42,6 @@ def converted(src: Path, quant: str) -> Path:
         marker.touch()
     return out
 
-
-def rel_err(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.abs(a - b).max() / np.abs(b).max())
 
 
 def hf_greedy(src: Path, prompt: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
@@ -83,17 +81,6 @@ def blink_greedy(pth: Path, prompt: list[int], steps: int) -> tuple[list[int], l
             tokens.append(int(logits[-1].argmax()))
     return tokens, logits
 
-
-def run_teacher_forced(model: Model, prompt: list[int], tokens: list[int]) -> list[np.ndarray]:
-    """Our logits before each of `tokens`, feeding the reference tokens."""
-    seq = model.new_sequence()
-    try:
-        logits = [model.prefill(seq, prompt)]
-        for tok in tokens[:-1]:
-            logits.append(model.decode([seq], [tok])[0])
-        return logits
-    finally:
-        model.remove(seq)
 
 
 def run_greedy(model: Model, prompt: list[int], steps: int) -> list[int]:
