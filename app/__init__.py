@@ -1,32 +1,95 @@
 """localchat: chat with large language models compiled by Apache TVM for this machine.
 
-The public surface is small: `Engine` (a loaded model serving conversations), `Conversation`,
-`GenerationConfig`, and the error hierarchy rooted at `LocalchatError`. Heavy modules (TVM)
-load on first use of `Engine`.
+The public surface, the names every front end (CLI, TUI, API server) uses:
+
+- `Engine` (open a model by name or folder: `Engine.open(ref)`), `Conversation`,
+  `GenerationConfig`;
+- a reply: `ReplyStream` (iterate with `for` or `async for`), its events `TokenEvent` and
+  `FinishEvent` (`Event` is either), the finished `Reply` and its `ReplyStats`;
+- the errors, rooted at `LocalchatError`; each knows the HTTP status a server answers with.
+
+Heavy modules (TVM, numpy) load on first use of an engine name, so `import localchat` and
+`localchat --help` stay fast.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
-from localchat.errors import LocalchatError
+from localchat.errors import (
+    CompileError,
+    ContextWindowError,
+    DeviceError,
+    DownloadError,
+    EngineBusyError,
+    GenerationError,
+    InvalidRequestError,
+    LocalchatError,
+    ModelConfigError,
+    ModelFailureError,
+    ModelNotFoundError,
+    StoreError,
+    UnsupportedModelError,
+)
 
 if TYPE_CHECKING:
-    from localchat.engine.chat import Conversation, Engine
+    from localchat.engine.conversation import Conversation
+    from localchat.engine.engine import Engine
     from localchat.engine.generation_config import GenerationConfig
+    from localchat.engine.stream import (
+        Event,
+        FinishEvent,
+        Reply,
+        ReplyStats,
+        ReplyStream,
+        TokenEvent,
+    )
 
 __version__ = "0.1.0"
 
-__all__ = ["Conversation", "Engine", "GenerationConfig", "LocalchatError", "__version__"]
+# name -> module that defines it, imported on first access
+_LAZY = {
+    "Engine": "localchat.engine.engine",
+    "Conversation": "localchat.engine.conversation",
+    "GenerationConfig": "localchat.engine.generation_config",
+    "ReplyStream": "localchat.engine.stream",
+    "Reply": "localchat.engine.stream",
+    "ReplyStats": "localchat.engine.stream",
+    "TokenEvent": "localchat.engine.stream",
+    "FinishEvent": "localchat.engine.stream",
+    "Event": "localchat.engine.stream",
+}
+
+__all__ = [
+    "CompileError",
+    "ContextWindowError",
+    "Conversation",
+    "DeviceError",
+    "DownloadError",
+    "Engine",
+    "EngineBusyError",
+    "Event",
+    "FinishEvent",
+    "GenerationConfig",
+    "GenerationError",
+    "InvalidRequestError",
+    "LocalchatError",
+    "ModelConfigError",
+    "ModelFailureError",
+    "ModelNotFoundError",
+    "Reply",
+    "ReplyStats",
+    "ReplyStream",
+    "StoreError",
+    "TokenEvent",
+    "UnsupportedModelError",
+    "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("Engine", "Conversation"):
-        from localchat.engine import chat
-
-        return getattr(chat, name)
-    if name == "GenerationConfig":
-        from localchat.engine.generation_config import GenerationConfig
-
-        return GenerationConfig
-    raise AttributeError(name)
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'localchat' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -15,10 +15,10 @@ import threading
 import time
 from pathlib import Path
 
-from localchat.engine.chat import Engine
-from localchat.engine.events import TokenEvent
+from localchat.engine.engine import Engine
 from localchat.engine.generation_config import GenerationConfig
 from localchat.engine.runtime import Model
+from localchat.engine.stream import TokenEvent
 
 SAMPLING = {
     "greedy": GenerationConfig(temperature=0.0),

@@ -61,8 +61,8 @@ def lib_dir() -> Path:
 
     engine = Path(__file__).resolve().parent.parent / "app" / "engine"
     h = hashlib.sha256()
-    for f in [engine / "models" / "rwkv4.py", engine / "models" / "layers.py"] + sorted(
-        engine.glob("kernels_*.py")
+    for f in sorted((engine / "models").glob("*.py")) + sorted(
+        (engine / "kernels").glob("*.py")
     ):
         h.update(f.read_bytes())
     return base / "bench" / f"rwkv4-{h.hexdigest()[:12]}"

@@ -1,4 +1,4 @@
-"""The CPU attention kernels of localchat.engine.attention_cpu, driven through TVM's KV cache.
+"""The CPU attention kernels of localchat.engine.kernels.attention, driven through TVM's KV cache.
 
 A one-layer module computes `cache.attention_with_fused_qkv` on random q/k/v. Each scenario runs
 the same inputs through a cache built by `create_paged_kv_cache_cpu` (our kernels) and, where
@@ -19,8 +19,8 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
 from tvm.runtime import ShapeTuple
 
-from localchat.engine import attention_cpu
-from localchat.engine.attention_cpu import create_paged_kv_cache_cpu
+from localchat.engine.kernels import attention
+from localchat.engine.kernels.attention import create_paged_kv_cache_cpu
 
 TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
 ROPE_THETA = 10000.0
@@ -328,4 +328,4 @@ def test_falls_back_for_inline_rope_and_other_targets():
 
 def test_kernels_reject_bad_heads():
     with pytest.raises(ValueError):
-        attention_cpu.attention_decode_paged_cpu(3, 4, 32, "float32")
+        attention.attention_decode_paged_cpu(3, 4, 32, "float32")

@@ -9,11 +9,12 @@ import time
 
 import pytest
 
-from localchat.engine.chat import Engine, drop_oldest_turn
-from localchat.engine.events import ContextWindowError, FinishEvent, TokenEvent
+from localchat.engine.engine import Engine
 from localchat.engine.generation_config import GenerationConfig
+from localchat.engine.prompt import drop_oldest_turn
 from localchat.engine.runtime import Model
-from localchat.errors import GenerationError
+from localchat.engine.stream import FinishEvent, TokenEvent
+from localchat.errors import ContextWindowError, GenerationError
 
 from fixtures import converted, smollm2_hf_dir
 

@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from hub_server import tiny_tokenizer_json
 from llama_variants import build_variant
 
 
-def convert(src: Path, out: Path, quant: str = "q0f32") -> subprocess.CompletedProcess:
+def convert(src: Path, out: Path, quant: str = "q0f32", *extra: str
+            ) -> subprocess.CompletedProcess:
     return subprocess.run(
         [
             sys.executable,
@@ -26,6 +28,7 @@ def convert(src: Path, out: Path, quant: str = "q0f32") -> subprocess.CompletedP
             "--output",
             str(out),
             "--no-compile",
+            *extra,
         ],
         capture_output=True,
         text=True,
@@ -46,6 +49,7 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> N
 def good(tmp_path: Path) -> Path:
     src = tmp_path / "src"
     shutil.copytree(build_variant("llama-gqa"), src)
+    (src / "tokenizer.json").write_bytes(tiny_tokenizer_json())  # `convert` needs a tokenizer
     return src
 
 
@@ -87,7 +91,7 @@ def test_failed_convert_keeps_existing_model(tmp_path: Path, good: Path) -> None
     assert convert(good, out).returncode == 0
     before = sorted(p.name for p in out.iterdir())
     (good / "model.safetensors").write_bytes(b"\x00" * 16)
-    assert_one_line_error(convert(good, out))
+    assert_one_line_error(convert(good, out, "q0f32", "--force"))
     assert sorted(p.name for p in out.iterdir()) == before
 
 
@@ -96,3 +100,41 @@ def test_unsupported_option_is_named(tmp_path: Path, good: Path) -> None:
     cfg["rope_scaling"] = {"rope_type": "dynamic", "factor": 2.0}
     (good / "config.json").write_text(json.dumps(cfg))
     assert_one_line_error(convert(good, tmp_path / "out"), "dynamic")
+
+
+def test_existing_model_directory_needs_force(tmp_path: Path, good: Path) -> None:
+    out = tmp_path / "out"
+    assert convert(good, out).returncode == 0
+    before = (out / "localchat-config.json").stat().st_mtime_ns
+    assert_one_line_error(convert(good, out), "already a model directory", "--force")
+    assert (out / "localchat-config.json").stat().st_mtime_ns == before
+    assert convert(good, out, "q0f32", "--force").returncode == 0
+
+
+def test_output_naming_a_file(tmp_path: Path, good: Path) -> None:
+    out = tmp_path / "out.txt"
+    out.write_text("keep me")
+    assert_one_line_error(convert(good, out), "is a file")
+    assert out.read_text() == "keep me"
+
+
+def test_negative_vocab_size(tmp_path: Path, good: Path) -> None:
+    cfg = json.loads((good / "config.json").read_text())
+    cfg["vocab_size"] = -5
+    (good / "config.json").write_text(json.dumps(cfg))
+    assert_one_line_error(convert(good, tmp_path / "out"), "vocab_size", "-5")
+    assert not (tmp_path / "out").exists()
+
+
+def test_layer_count_that_disagrees_with_the_checkpoint(tmp_path: Path, good: Path) -> None:
+    cfg = json.loads((good / "config.json").read_text())
+    cfg["num_hidden_layers"] = 1  # the checkpoint has 2
+    (good / "config.json").write_text(json.dumps(cfg))
+    assert_one_line_error(convert(good, tmp_path / "out"), "num_hidden_layers=1", "2 layers")
+    assert not (tmp_path / "out").exists()
+
+
+def test_folder_without_a_tokenizer(tmp_path: Path, good: Path) -> None:
+    (good / "tokenizer.json").unlink()
+    assert_one_line_error(convert(good, tmp_path / "out"), "no tokenizer")
+    assert not (tmp_path / "out").exists()

@@ -33,7 +33,7 @@ from localchat.downloader.hub import HubClient
 from localchat.downloader.progress import RichProgress
 from localchat.downloader.pull import EngineHooks, PullResult, parse_source, pull
 from localchat.downloader.space import check_free_space
-from localchat.downloader.store import MODEL_CONFIG, Store
+from localchat.engine.model_dir import CONFIG_FILE as MODEL_CONFIG
 from localchat.errors import (
     AccessDeniedError,
     DiskSpaceError,
@@ -47,6 +47,7 @@ from localchat.errors import (
     WeightsError,
 )
 from localchat.prebuilt import PrebuiltIndex, PrebuiltLibrary, PrebuiltWeights, index_to_toml
+from localchat.store import Store
 
 from hub_server import (
     HubServer,
@@ -73,7 +74,8 @@ def copy_convert(source: Path, output_dir: Path, quantization: str, *,
         if f.is_file():
             shutil.copyfile(f, output_dir / f.name)
     meta = {"format": 1, "architecture": "llama", "quantization": quantization,
-            "context_window_size": context_window_size, "source": source_info}
+            "context_window_size": context_window_size or 256, "source": source_info,
+            "model_config": {}, "prefill_chunk_size": 256, "param_names": ["w"]}
     (output_dir / MODEL_CONFIG).write_text(json.dumps(meta))
     return output_dir
 

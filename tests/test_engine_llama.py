@@ -123,3 +123,30 @@ def test_second_load_does_not_compile() -> None:
     again = Model(path, "cpu")
     assert again.library.compiled is False
     assert again.compile_seconds == 0.0
+
+
+@pytest.mark.parametrize("k,n,bias", [(576, 40, True), (64, 24, False), (2048, 36, True)])
+def test_one_row_linear_runs_the_decode_gemv(k: int, n: int, bias: bool) -> None:
+    """`linear_q4` with one row (the decode GEMV, generic and AVX-512; reductions that are not a
+    multiple of 128 end in a narrower vector) and with several rows (the blocked kernel) against
+    numpy on the dequantized weights."""
+    import tvm
+
+    from localchat.engine.device import cpu_target
+    from localchat.engine.kernels import matmul
+    from localchat.engine.kernels.common import has_avx512
+    from localchat.engine.quantization import dequantize_q4, quantize_q4
+
+    rng = np.random.default_rng(k + n)
+    words, scale = quantize_q4(rng.standard_normal((n, k), dtype=np.float32) * 0.05, "float32")
+    b = rng.standard_normal(n).astype(np.float32)
+    target, dev = cpu_target(), tvm.cpu()
+    for avx512 in [False] + ([True] if has_avx512(target) else []):
+        func = matmul.linear_q4(k, n, "float32", bias, avx512).with_attr("global_symbol", "main")
+        f = tvm.compile(tvm.IRModule({"main": func}), target)["main"]
+        for m in (1, 3):
+            x = rng.standard_normal((m, k), dtype=np.float32)
+            y = tvm.runtime.tensor(np.zeros((m, n), np.float32), dev)
+            f(*[tvm.runtime.tensor(a, dev) for a in (x, words, scale, *([b] if bias else []))], y)
+            ref = x.astype(np.float64) @ dequantize_q4(words, scale).T.astype(np.float64)
+            assert rel_err(y.numpy(), ref + (b if bias else 0)) <= 1e-5, f"m={m} avx512={avx512}"

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from localchat.engine.models.rwkv4 import prepare_pth_source, state_bytes
+from localchat.engine.models.rwkv4_pth import prepare_pth_source
+from localchat.engine.models.rwkv4_state import state_bytes
 from localchat.engine.runtime import Model
 
 from fixtures import cache_dir, rwkv_package_dir
@@ -34,8 +35,8 @@ def converted(src: Path, quant: str) -> Path:
     out = _converted(src, quant)
     engine = Path(__file__).resolve().parent.parent / "app" / "engine"
     h = hashlib.sha256()
-    for name in ("kernels_wkv.py", "kernels_gemv.py", "kernels_cpu.py", "compile.py"):
-        h.update((engine / name).read_bytes())
+    for path in sorted((engine / "kernels").glob("*.py")) + [engine / "compile.py"]:
+        h.update(path.read_bytes())
     marker = out / f".kernels-{h.hexdigest()[:12]}"
     if not marker.exists():
         shutil.rmtree(out / "lib", ignore_errors=True)
@@ -122,7 +123,8 @@ def test_rescale_is_applied_at_load_and_run_time() -> None:
     """The rescaled model's weights are divided per layer (so the run-time halving must be
     there for the logits above to match)."""
     from localchat.engine.convert import read_hf_config
-    from localchat.engine.models.rwkv4 import Rwkv4Config, hf_params
+    from localchat.engine.models.rwkv4 import Rwkv4Config
+    from localchat.engine.models.rwkv4_weights import hf_params
     from localchat.engine.weights import open_weights
 
     src = build_variant("rwkv4-rescale")
@@ -326,7 +328,7 @@ def word_bias(engine) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def world_engine():
-    from localchat.engine.chat import Engine
+    from localchat.engine.engine import Engine
     from localchat.engine.generation_config import GenerationConfig
 
     model = Model(converted(build_variant("rwkv4-world"), "q0f32"), "cpu")
@@ -411,9 +413,9 @@ def test_gemv_kernels_match_numpy(k: int, n: int, m: int) -> None:
     numpy on the dequantized weights."""
     import tvm
 
-    from localchat.engine import kernels_gemv
     from localchat.engine.device import cpu_target
-    from localchat.engine.models.rwkv4 import _has_avx512
+    from localchat.engine.kernels import gemv
+    from localchat.engine.kernels.common import has_avx512 as _has_avx512
     from localchat.engine.quantization import dequantize_q4, quantize_q4
 
     rng = np.random.default_rng(k + n + m)
@@ -431,7 +433,7 @@ def test_gemv_kernels_match_numpy(k: int, n: int, m: int) -> None:
     ref = x.astype(np.float64) @ dequantize_q4(words, scale).T.astype(np.float64)
     variants = [False] + ([True] if _has_avx512(target) else [])
     for avx512 in variants:
-        got = run(kernels_gemv.gemv_q4(k, n, "float32", avx512), words, scale)
+        got = run(gemv.gemv_q4(k, n, "float32", avx512), words, scale)
         assert rel_err(got, ref) <= 1e-5, f"q4 avx512={avx512}"
-    got = run(kernels_gemv.gemv_f(k, n, "float32"), w)
+    got = run(gemv.gemv_f(k, n, "float32"), w)
     assert rel_err(got, x.astype(np.float64) @ w.T.astype(np.float64)) <= 1e-5

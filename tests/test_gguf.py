@@ -337,8 +337,8 @@ def _gguf_with_architecture(path: Path, arch: str) -> Path:
 
 def test_unsupported_or_broken_files_are_refused_before_conversion(tmp_path: Path) -> None:
     from localchat.downloader.pull import EngineHooks, pull
-    from localchat.downloader.store import Store
     from localchat.prebuilt import PrebuiltIndex
+    from localchat.store import Store
 
     gpt2 = _gguf_with_architecture(tmp_path / "gpt2.gguf", "gpt2")
     with pytest.raises(UnsupportedModelError, match="GGUF architecture 'gpt2'"):

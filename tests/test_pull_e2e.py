@@ -67,10 +67,10 @@ def home(tmp_path: Path) -> Iterator[Path]:
     kept.mkdir(exist_ok=True)
     libs = home / "cache" / "libs"
     libs.mkdir(parents=True)
-    for lib in kept.glob("*.so"):
+    for lib in kept.glob("*.so*"):  # with their sha256 records
         shutil.copy2(lib, libs / lib.name)
     yield home
-    for lib in libs.glob("*.so"):
+    for lib in libs.glob("*.so*"):
         if not (kept / lib.name).exists():
             shutil.copy2(lib, kept / f".{lib.name}.part")
             os.replace(kept / f".{lib.name}.part", kept / lib.name)

@@ -12,14 +12,23 @@ from pathlib import Path
 import platformdirs
 import pytest
 
-from localchat.downloader.store import MODEL_CONFIG, Store
-from localchat.errors import ModelNotFoundError, StoreError
+from localchat.engine.model_dir import CONFIG_FILE as MODEL_CONFIG
+from localchat.engine.model_dir import MANIFEST_FILE
+from localchat.errors import LocalchatError, ModelNotFoundError, StoreError
+from localchat.store import Store
+
+
+def config(name: str, quant: str, **extra: object) -> str:
+    """A complete localchat-config.json (an incomplete one is a damaged model)."""
+    return json.dumps({"name": name, "quantization": quant, "architecture": "llama",
+                       "model_config": {}, "context_window_size": 256,
+                       "prefill_chunk_size": 256, "param_names": ["w"], **extra})
 
 
 def add_model(store: Store, name: str, quant: str, targets: tuple[str, ...] = ()) -> Path:
     """Register a small model directory through the staging path."""
     with store.staging(name, quant) as tmp:
-        (tmp / MODEL_CONFIG).write_text(json.dumps({"name": name, "quantization": quant}))
+        (tmp / MODEL_CONFIG).write_text(config(name, quant))
         (tmp / "params_shard_0.bin").write_bytes(b"\0" * 1000)
         if targets:
             (tmp / "lib").mkdir()
@@ -52,7 +61,8 @@ def test_staging_commits_atomically_and_lists_the_model(store: Store) -> None:
     assert (model.name, model.quantization, model.path) == ("smollm2-135m-instruct", "q4f16_1",
                                                             path)
     assert model.targets == ("cuda-sm_90",) and model.compiled
-    assert model.size_bytes == 1000 + 3 + len((path / MODEL_CONFIG).read_bytes())
+    assert model.size_bytes == 1000 + 3 + len((path / MODEL_CONFIG).read_bytes()) + len(
+        (path / MANIFEST_FILE).read_bytes())
     assert model.ref == "smollm2-135m-instruct:q4f16_1"
     assert [p.name for p in path.parent.iterdir()] == ["q4f16_1"]  # no staging left
 
@@ -73,8 +83,7 @@ def test_existing_model_is_only_replaced_when_asked(store: Store) -> None:
     with pytest.raises(StoreError, match="already in the store"), store.staging("m", "q4f32_1"):
         pass
     with store.staging("m", "q4f32_1", replace=True) as tmp:
-        (tmp / MODEL_CONFIG).write_text(json.dumps({"name": "m", "quantization": "q4f32_1",
-                                                    "v": 2}))
+        (tmp / MODEL_CONFIG).write_text(config("m", "q4f32_1", v=2))
     [model] = store.models()
     assert model.config["v"] == 2
     assert sorted(p.name for p in (store.models_dir / "m").iterdir()) == ["q4f32_1"]
@@ -136,10 +145,16 @@ def test_add_library_to_a_stored_model(store: Store, tmp_path: Path) -> None:
         store.add_library("other", "q4f32_1", "llvm", lib)
 
 
-def test_corrupt_config_is_not_listed(store: Store) -> None:
+def test_corrupt_config_is_listed_as_damaged_and_can_be_removed(store: Store) -> None:
     path = add_model(store, "m", "q4f32_1")
     (path / MODEL_CONFIG).write_text("{not json")
-    assert store.models() == []
+    [model] = store.models()
+    assert model.ref == "m:q4f32_1" and model.damaged
+    assert "localchat-config.json" in model.damage_message()
+    assert "localchat pull m --quant q4f32_1" in model.damage_message()
+    with pytest.raises(LocalchatError, match="is damaged: localchat-config.json"):
+        store.resolve("m")
+    assert [m.ref for m in store.remove("m")] == ["m:q4f32_1"] and store.models() == []
 
 
 def test_invalid_names_are_refused(store: Store) -> None:
@@ -150,7 +165,7 @@ def test_invalid_names_are_refused(store: Store) -> None:
 
 HOLD_LOCK = """
 import sys, time
-from localchat.downloader.store import Store
+from localchat.store import Store
 with Store(sys.argv[1]).lock("m", "q4f32_1"):
     print("locked", flush=True)
     time.sleep(60)

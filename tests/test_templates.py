@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 
+from localchat.engine.prompt import render_delta, text_delta
 from localchat.engine.templates import (
     BUILTIN_TEMPLATES,
     JinjaTemplate,
     builtin_template,
     load_chat_template,
     resolve_template,
-    text_delta,
 )
 from localchat.engine.tokenizer import HFTokenizer
 from localchat.errors import GenerationError, ModelConfigError
@@ -309,7 +309,7 @@ def _turns():
 def test_builtin_render_delta_is_the_new_turn_only(name):
     template = builtin_template(name)
     previous, new = _turns()
-    delta = template.render_delta(previous, new)
+    delta = render_delta(template, previous, new)
     assert delta.reuses_prefix
     assert delta.full == template.render([*previous, *new])
     prefix = template.render(previous, add_generation_prompt=False)
@@ -322,7 +322,7 @@ def test_builtin_render_delta_is_the_new_turn_only(name):
 def test_render_delta_of_a_real_template(real_templates):
     smollm2 = JinjaTemplate(real_templates["smollm2"])
     previous, new = _turns()
-    delta = smollm2.render_delta(previous, new[:1])
+    delta = render_delta(smollm2, previous, new[:1])
     assert delta.reuses_prefix
     assert delta.new_text.startswith("<|im_start|>user\nTranslate")
     assert delta.new_text.endswith("<|im_start|>assistant\n")
@@ -334,7 +334,7 @@ def test_render_delta_skips_the_end_of_text_token_phi3_adds_without_generation_p
     phi = JinjaTemplate(real_templates["phi-3.5"], special_tokens=SPECIAL_TOKENS["phi-3.5"])
     previous, new = _turns()
     assert phi.render(previous, add_generation_prompt=False).endswith("<|end|>\n<|endoftext|>")
-    delta = phi.render_delta(previous, new[:1])
+    delta = render_delta(phi, previous, new[:1])
     assert delta.reuses_prefix
     assert delta.new_text == "<|user|>\nTranslate 'cat' to French and Japanese.\n<|end|>\n" + (
         "<|assistant|>\n"
@@ -347,7 +347,7 @@ def test_render_delta_falls_back_to_the_whole_prompt_when_earlier_text_changes(r
         real_templates["mistral-nemo"], special_tokens=SPECIAL_TOKENS["mistral-nemo"]
     )
     previous, new = _turns()
-    delta = nemo.render_delta(previous, new[:1])
+    delta = render_delta(nemo, previous, new[:1])
     assert not delta.reuses_prefix
     assert delta.new_text == delta.full == nemo.render([*previous, *new[:1]])
     assert delta.reused_chars == 0
@@ -445,6 +445,6 @@ def test_prompt_tokens_equal_transformers_and_deltas_tokenize_on_their_own(
         messages, add_generation_prompt=True, tokenize=True, return_dict=False
     )
     assert tokenizer.encode(template.render(messages)) == list(expected)
-    delta = template.render_delta(messages[:3], messages[3:])
+    delta = render_delta(template, messages[:3], messages[3:])
     prefix = template.render(messages[:3], add_generation_prompt=False)
     assert tokenizer.encode(prefix) + tokenizer.encode(delta.new_text) == list(expected)

@@ -1,13 +1,11 @@
-"""Hub access, the local model store and `pull`: everything between a model name and a model
-directory on disk (the engine does the converting and compiling)."""
+"""Hub access and `pull`: everything between a model name and a model directory on disk (the
+engine's build steps convert and compile; `localchat.store` keeps the result)."""
 
 from localchat.downloader.hub import HubClient, RepoFile, RepoSnapshot
 from localchat.downloader.progress import DownloadProgress, NullProgress, RichProgress
 from localchat.downloader.pull import EngineHooks, PullResult, engine_hooks, parse_source, pull
-from localchat.downloader.store import MODEL_CONFIG, Store, StoredModel
 
 __all__ = [
-    "MODEL_CONFIG",
     "DownloadProgress",
     "EngineHooks",
     "HubClient",
@@ -16,8 +14,6 @@ __all__ = [
     "RepoFile",
     "RepoSnapshot",
     "RichProgress",
-    "Store",
-    "StoredModel",
     "engine_hooks",
     "parse_source",
     "pull",

@@ -13,7 +13,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -25,17 +25,8 @@ from localchat.downloader.hub import HubClient, RepoSnapshot, sha256_file
 from localchat.downloader.offline import fetch_offline_source
 from localchat.downloader.progress import DownloadProgress, NullProgress
 from localchat.downloader.space import check_free_space, human_size
-from localchat.downloader.store import (
-    MODEL_CONFIG,
-    Store,
-    StoredModel,
-    install_library,
-    library_files,
-    library_target,
-    read_model_config,
-    safe_name,
-    write_json_atomic,
-)
+from localchat.engine import build
+from localchat.engine import model_dir as md
 from localchat.errors import (
     IntegrityError,
     ModelConfigError,
@@ -51,6 +42,9 @@ from localchat.prebuilt import (
     find_prebuilt,
 )
 from localchat.recipes import REPO_ID_RE, Recipe, all_recipes, resolve_recipe
+from localchat.store import Store, StoredModel, safe_name
+
+MODEL_CONFIG = md.CONFIG_FILE
 
 Log = Callable[[str], None]
 CheckConfigFn = Callable[[dict[str, Any]], str]
@@ -68,13 +62,6 @@ class ConvertFn(Protocol):
                  source_info: dict[str, Any] | None = None) -> Any: ...
 
 
-def check_architecture(hf_config: dict[str, Any]) -> str:
-    """The engine's architecture name for an HF config.json, or UnsupportedModelError."""
-    from localchat.engine.models import detect_architecture
-
-    return detect_architecture(hf_config).name
-
-
 @dataclass
 class EngineHooks:
     """The engine steps a pull needs, and the device they build for."""
@@ -84,7 +71,7 @@ class EngineHooks:
     target_key: str | None = None  # the device's target; matches prebuilt libraries
     device_kind: Literal["gpu", "cpu"] = "cpu"  # picks the recipe's default quantization
     tvm_version: str | None = None  # prebuilt libraries must match it exactly
-    check_config: CheckConfigFn = check_architecture
+    check_config: CheckConfigFn = build.check_architecture
     device_name: str = ""  # for the summary line, e.g. "cpu" or "cuda"
     # model dir -> the stem of the library file the runtime loads for it (`lib/<stem>.so`);
     # None: the stem is `target_key`
@@ -102,11 +89,6 @@ class EngineHooks:
         return self.target_key
 
 
-def gguf_weights_dtype(quantization: str) -> str:
-    """Precision of the intermediate weights of a GGUF import: float32 only for q0f32."""
-    return "float32" if quantization == "q0f32" else "float16"
-
-
 def engine_hooks(device: str = "auto", store: Store | None = None,
                  log: Log | None = None) -> EngineHooks:
     """Hooks backed by localchat.engine for `device` (auto, cuda, metal, vulkan, cpu).
@@ -116,60 +98,32 @@ def engine_hooks(device: str = "auto", store: Store | None = None,
     `localchat.engine.runtime.Model` loads, so nothing is compiled again at the first run.
     A .gguf source is imported into a temporary HF folder first (`localchat.engine.gguf`).
     """
-    import tempfile
-
     import tvm
 
-    from localchat.engine.compile import compile_library, library_key, target_key
-    from localchat.engine.convert import convert_model
+    from localchat.engine.compile import target_key
     from localchat.engine.device import select_device
-    from localchat.engine.gguf import gguf_to_hf_folder, inspect_gguf
-    from localchat.engine.models import get_architecture
-    from localchat.engine.quantization import get_quant_mode
 
     chosen = select_device(device)
     store = store or Store()
-    libs_dir = store.libs_dir
-
-    def model_parts(model_dir: Path) -> tuple[Any, Any, Any]:
-        meta = read_model_config(model_dir)
-        arch = get_architecture(meta["architecture"])
-        config = arch.config_from_dict(meta["model_config"])
-        return arch, config, get_quant_mode(meta["quantization"])
-
-    def library_name(model_dir: Path) -> str:
-        arch, config, mode = model_parts(model_dir)
-        return f"{target_key(chosen.target)}-{library_key(arch, config, mode, chosen.target)}"
-
-    def compile_model(model_dir: Path) -> Path:
-        arch, config, mode = model_parts(model_dir)
-        return compile_library(arch, config, mode, chosen.target, libs_dir, log=log).path
 
     def convert(source: Path, output_dir: Path, quantization: str, *,
                 context_window_size: int | None = None,
                 source_info: dict[str, Any] | None = None) -> Any:
-        source = Path(source)
-        if not (source.is_file() and source.suffix.lower() == ".gguf"):
-            return convert_model(source, output_dir, quantization,
-                                 context_window_size=context_window_size,
-                                 source_info=source_info, log=log)
-        store.downloads_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix=".gguf-import-", dir=store.downloads_dir) as tmp:
-            folder = gguf_to_hf_folder(source, Path(tmp), log=log,
-                                       dtype=gguf_weights_dtype(quantization))
-            return convert_model(folder, output_dir, quantization,
-                                 context_window_size=context_window_size,
-                                 source_info=source_info, log=log)
+        return build.convert_source(source, output_dir, quantization,
+                                    context_window_size=context_window_size,
+                                    source_info=source_info, scratch_dir=store.downloads_dir,
+                                    log=log)
 
     return EngineHooks(
         convert=convert,
-        compile=compile_model,
+        compile=lambda model_dir: build.compile_model(model_dir, chosen.target,
+                                                     lib_dir=store.libs_dir, log=log),
         target_key=target_key(chosen.target),
         device_kind="cpu" if chosen.kind == "cpu" else "gpu",
         tvm_version=tvm.__version__,
         device_name=chosen.kind,
-        library_name=library_name,
-        inspect_gguf=inspect_gguf,
+        library_name=lambda model_dir: build.library_stem(model_dir, chosen.target),
+        inspect_gguf=build.inspect_gguf,
     )
 
 
@@ -233,6 +187,9 @@ class PullResult:
     def summary(self) -> str:
         """One line for the end of `localchat pull`."""
         where = f"for {self.device}" if self.device else "not compiled"
+        if self.origin == "repaired":
+            return (f"repaired {self.name}:{self.quantization}: its library was compiled again "
+                    f"({human_size(self.size_bytes)}, {where})")
         if self.origin == "existing":
             size = human_size(self.size_bytes)
             return f"{self.name}:{self.quantization} is already pulled ({size}, {where})"
@@ -316,6 +273,17 @@ class _Puller:
         finally:
             self.progress.end()
 
+    def _repair_command(self) -> str:
+        """The `localchat pull` that rebuilds this model, recorded in its manifest."""
+        if self.source.kind == "local" and self.source.path is not None:
+            ref = str(self.source.path)
+        elif self.source.kind == "hub":
+            rev = self.recipe.revision
+            ref = self.recipe.repo + (f"@{rev}" if rev and rev != "main" else "")
+        else:
+            ref = self.recipe.name
+        return f"localchat pull {ref} --quant {self.quantization}"
+
     def _existing(self) -> StoredModel | None:
         return None if self.force else self.store.get(self.name, self.quantization)
 
@@ -332,9 +300,25 @@ class _Puller:
 
     # the pull --------------------------------------------------------------------------------
     def run(self) -> PullResult:
+        ref = f"{self.name}:{self.quantization}"
+        with self.store.lock(self.name, self.quantization, on_wait=lambda: self.log(
+                f"{ref} is being pulled by another localchat process; waiting for it")):
+            return self._run_locked()
+
+    def _run_locked(self) -> PullResult:
         existing = self._existing()
         if existing is not None:
-            return self._finish_existing(existing)
+            existing = self.store.verify(existing)  # hashes too: a pull is the repair command
+            if not existing.damaged:
+                return self._finish_existing(existing)
+            if all(p.path.startswith(md.LIB_DIR + "/") for p in existing.problems):
+                self.log(f"{existing.damage_message().partition(';')[0]}; compiling it again")
+                md.forget_files(existing.path, [p.path for p in existing.problems])
+                model = self.store.get(self.name, self.quantization) or existing
+                return replace(self._finish_existing(model), origin="repaired")
+            self.log(f"{existing.damage_message().partition(';')[0]}; building it again")
+            self.notes.append(f"repaired {existing.ref}: {existing.problems[0]}")
+            self.force = True
         if self.source.kind == "local":
             assert self.source.path is not None
             return self._pull_local(self.source.path)
@@ -359,14 +343,14 @@ class _Puller:
                     self._install(model.path, stem, self.hooks.compile(model.path))
                 model = self.store.get(model.name, model.quantization) or model
                 return self._result(model, "compiled")
+
         return self._result(model, "existing")
 
     def _install(self, model_dir: Path, stem: str, library: Path) -> None:
         """Install this device's library; drop older ones for the same target (stale keys)."""
-        dest = install_library(model_dir, stem, library)
-        for old in library_files(model_dir):
-            if old != dest.name and library_target(old) == library_target(dest.name):
-                (model_dir / "lib" / old).unlink(missing_ok=True)
+        suffix = library.suffix if library.suffix in md.LIB_SUFFIXES else md.LIBRARY_SUFFIX
+        dest = md.install_library(model_dir, library, f"{safe_name(stem)}{suffix}")
+        md.remove_stale_libraries(model_dir, keep=dest.name)
 
     def _pull_from_hub(self, library: PrebuiltLibrary | None) -> PullResult:
         recipe = self.recipe
@@ -442,11 +426,12 @@ class _Puller:
             check_free_space({dest: missing, self.store.models_dir: total}, self.reserve_bytes)
             with self._downloading():
                 self._fetch(snapshot, paths, dest)
-            meta = read_model_config(dest)
+            meta = md.read_config(dest)
             if meta.get("format", MODEL_FORMAT) != MODEL_FORMAT:
                 raise ModelConfigError(f"prebuilt {repo} has model format {meta.get('format')}, "
                                        f"this localchat reads format {MODEL_FORMAT}")
-            with self.store.staging(self.name, self.quantization, replace=self.force) as tmp:
+            with self.store.staging(self.name, self.quantization, replace=self.force,
+                                    repair=self._repair_command()) as tmp:
                 for p in paths:
                     (tmp / p).parent.mkdir(parents=True, exist_ok=True)
                     shutil.copyfile(dest / p, tmp / p)
@@ -477,7 +462,7 @@ class _Puller:
         """Refuse a GGUF file the engine cannot import; the disk space its import needs."""
         if self.hooks.inspect_gguf is not None:
             self._check_config(self.hooks.inspect_gguf(path), path.name)
-        as_16bit = path.stat().st_size * 4  # GGUF weights are mostly ~4-bit
+        as_16bit = gguf_parameters(path) * 2  # the import writes 16-bit weights (q0f32: 32)
         intermediate = as_16bit * (2 if self.quantization == "q0f32" else 1)
         return {self.store.downloads_dir: intermediate,
                 self.store.models_dir: _estimate_model_bytes(as_16bit, self.quantization)}
@@ -503,7 +488,8 @@ class _Puller:
                snapshot: RepoSnapshot | None = None) -> PullResult:
         """Convert `source` into a staged model dir, add its library, register it."""
         info = self._source_info(snapshot, source)
-        with self.store.staging(self.name, self.quantization, replace=self.force) as tmp:
+        with self.store.staging(self.name, self.quantization, replace=self.force,
+                                    repair=self._repair_command()) as tmp:
             self.log(f"converting to {self.quantization}")
             context = self.recipe.context_window or None
             self.hooks.convert(source, tmp, self.quantization, context_window_size=context,
@@ -555,10 +541,9 @@ class _Puller:
     def _write_metadata(self, model_dir: Path, origin: str, snapshot: RepoSnapshot | None,
                         source_path: Path | None = None) -> None:
         """Add what the store and `show` need to the converter's localchat-config.json."""
-        path = model_dir / MODEL_CONFIG
-        if not path.is_file():
+        if not md.is_model_dir(model_dir):
             raise StoreError(f"the converter wrote no {MODEL_CONFIG}")
-        meta = read_model_config(model_dir)
+        meta = md.read_config(model_dir)
         recipe = self.recipe
         meta.update({
             "name": self.name,
@@ -578,13 +563,24 @@ class _Puller:
                 "license": recipe.license,
             })
             meta["source"].setdefault("recipe_revision", recipe.revision)
-        write_json_atomic(path, meta)
+        md.write_config(model_dir, meta)
 
     def _registered(self, origin: str) -> PullResult:
         model = self.store.get(self.name, self.quantization)
         if model is None:  # pragma: no cover - staging guarantees it
             raise StoreError(f"{self.name}:{self.quantization} vanished after registration")
         return self._result(model, origin)
+
+
+def gguf_parameters(path: Path) -> int:
+    """How many weights a GGUF file holds, from its tensor table (its size alone misleads: an
+    F16 file holds 2 bytes a weight, a Q4 one about half a byte)."""
+    try:
+        from gguf import GGUFReader
+
+        return sum(int(t.n_elements) for t in GGUFReader(str(path)).tensors)
+    except Exception:  # not readable by the gguf package: assume ~4-bit weights
+        return path.stat().st_size * 2
 
 
 def _remove_download(commit_dir: Path) -> None:
@@ -620,8 +616,12 @@ def pull(
     """
     source = parse_source(ref, recipes_dir)
     quant = quantization or source.recipe.default_quantization(hooks.device_kind)
+    store = store or Store()
+    say = log or (lambda _msg: None)
+    for leftover, size in store.remove_stale_leftovers():
+        say(f"removed {leftover.name}, left by an interrupted pull ({human_size(size)})")
     puller = _Puller(
-        source, quant, hooks=hooks, store=store or Store(), hub=hub or HubClient(),
+        source, quant, hooks=hooks, store=store, hub=hub or HubClient(),
         index=prebuilt_index, force=force, progress=progress or NullProgress(),
         log=log or (lambda _msg: None), reserve_bytes=reserve_bytes,
         keep_download=keep_download, offline_fallback=offline_fallback,

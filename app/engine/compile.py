@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,12 +24,14 @@ import tvm
 from tvm import relax
 from tvm.target import Target
 
+from localchat.engine import model_dir as md
 from localchat.engine.models import Architecture
 from localchat.engine.quantization import QuantMode
 from localchat.errors import CompileError
 
 # Bump when kernels or the pass pipeline change in a way the key would not otherwise see.
 KERNEL_VERSION = 4
+_log = logging.getLogger("localchat.compile")
 
 
 @dataclass(frozen=True)
@@ -65,8 +70,8 @@ def _source_digest() -> str:
     """Hash of the sources that generate library code, so editing a kernel invalidates the cache
     even when KERNEL_VERSION was not bumped."""
     engine = Path(__file__).resolve().parent
-    files = sorted(engine.glob("kernels*.py")) + [engine / "attention_cpu.py", Path(__file__)]
-    files += sorted((engine / "models").glob("*.py"))
+    files = sorted((engine / "kernels").glob("*.py")) + sorted((engine / "models").glob("*.py"))
+    files.append(Path(__file__))
     h = hashlib.sha256()
     for f in files:
         h.update(f.read_bytes())
@@ -112,31 +117,45 @@ def relax_pipeline(target: Target) -> tvm.transform.Pass:
     return pipeline
 
 
+def library_file_name(arch: Architecture, config: Any, mode: QuantMode, target: Target) -> str:
+    """The file name of this model's library for `target` (see model_dir.library_file_name)."""
+    return md.library_file_name(target_key(target), library_key(arch, config, mode, target))
+
+
 def compile_library(
     arch: Architecture,
     config: Any,
     mode: QuantMode,
     target: Target,
-    lib_dir: Path,
+    lib_dir: Path | None = None,
     log: Callable[[str], None] | None = None,
 ) -> CompiledLibrary:
-    """Return the cached library for this model and target, compiling it first if needed."""
-    lib_dir = Path(lib_dir)
-    path = lib_dir / f"{target_key(target)}-{library_key(arch, config, mode, target)}.so"
-    if path.exists():
+    """Return the cached library for this model and target, compiling it first if needed.
+
+    `lib_dir` defaults to the first library cache this user may write. A cached library is
+    used only when it matches its recorded sha256; otherwise it is compiled again.
+    """
+    lib_dir = Path(lib_dir) if lib_dir is not None else md.writable_library_cache_dir()
+    path = lib_dir / library_file_name(arch, config, mode, target)
+    if md.verified_cache_library(path, log):
         return CompiledLibrary(path, compiled=False, seconds=0.0)
     start = time.perf_counter()
     if log:
-        log(f"compiling {arch.name} ({mode.name}) for {target_key(target)}")
+        log(f"compiling {arch.name} ({mode.name}) for {target_key(target)}; the first compile "
+            f"of a model takes about a minute")
     try:
-        mod, _ = export_module(arch, config, mode, target)
-        executable = tvm.compile(mod, target=target, relax_pipeline=relax_pipeline(target))
+        with quiet_native_output():
+            mod, _ = export_module(arch, config, mode, target)
+            executable = tvm.compile(mod, target=target, relax_pipeline=relax_pipeline(target))
         lib_dir.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=lib_dir, prefix=".build-", suffix=".so")
         os.close(fd)
         try:
-            executable.export_library(tmp)
+            with quiet_native_output():
+                executable.export_library(tmp)
+            os.chmod(tmp, md.FILE_MODE)
             os.replace(tmp, path)
+            md.write_library_record(path)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
@@ -145,4 +164,60 @@ def compile_library(
     except Exception as exc:  # TVM raises its own error types from C++
         first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         raise CompileError(f"compiling for {target_key(target)} failed: {first}") from exc
-    return CompiledLibrary(path, compiled=True, seconds=time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    if log:
+        log(f"compiled {path.name} in {seconds:.1f} s")
+    return CompiledLibrary(path, compiled=True, seconds=seconds)
+
+
+@contextmanager
+def quiet_native_output() -> Iterator[None]:
+    """Send what TVM and LLVM print on file descriptor 2 (e.g. "Warning: Fast mode
+    segfaults...") to the debug log instead of the terminal."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):
+        yield
+        return
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            text = sink.read().decode("utf-8", "replace").strip()
+            if text:
+                _log.debug("native output: %s", text)
+
+
+def model_library(
+    model_dir: Path,
+    arch: Architecture,
+    config: Any,
+    mode: QuantMode,
+    target: Target,
+    log: Callable[[str], None] | None = None,
+) -> CompiledLibrary:
+    """The library a model directory runs with on `target`: its own lib/, else a library
+    cache, else compiled into the first cache this user may write; only ever a copy that
+    matches its recorded sha256. Linked into the model's lib/ when that is writable; a store
+    this user may only read is never written."""
+    model_dir = Path(model_dir)
+    name = library_file_name(arch, config, mode, target)
+    found = md.trusted_library(model_dir, name, log=log)
+    if found is not None and found.parent == model_dir / md.LIB_DIR:
+        return CompiledLibrary(found, compiled=False, seconds=0.0)
+    library = compile_library(arch, config, mode, target, log=log) if found is None else (
+        CompiledLibrary(found, compiled=False, seconds=0.0))
+    if os.access(model_dir, os.W_OK) and (
+            not (model_dir / md.LIB_DIR).exists() or os.access(model_dir / md.LIB_DIR, os.W_OK)):
+        try:
+            path = md.install_library(model_dir, library.path, name)
+            md.remove_stale_libraries(model_dir, keep=name)
+            return CompiledLibrary(path, library.compiled, library.seconds)
+        except OSError:
+            pass  # a store we may read but not write: run from the cache
+    return library

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from localchat.engine import model_dir as md
 from localchat.engine.models import Architecture, detect_architecture
 from localchat.engine.quantization import QuantMode, get_quant_mode, quantize_q4
 from localchat.engine.templates import load_chat_template
@@ -27,8 +28,6 @@ from localchat.engine.tokenizer import WORLD_VOCAB_FILE, read_json
 from localchat.engine.weights import WeightSource, open_weights
 from localchat.errors import ModelConfigError, WeightsError
 
-MODEL_CONFIG_FILE = "localchat-config.json"
-FORMAT_VERSION = 1
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -48,6 +47,39 @@ def read_hf_config(source_dir: Path) -> dict[str, Any]:
     if not (source_dir / "config.json").exists():
         raise ModelConfigError(f"{source_dir}: no config.json (is this an HF model folder?)")
     return read_json(source_dir / "config.json")
+
+
+TOKENIZER_MAIN_FILES = ("tokenizer.json", "tokenizer.model", WORLD_VOCAB_FILE)
+_POSITIVE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "num_key_value_heads", "head_dim")
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|blocks|h)\.(\d+)\.")
+
+
+def has_tokenizer(source_dir: Path) -> bool:
+    """Whether an HF folder carries a tokenizer localchat can load."""
+    return any((Path(source_dir) / f).is_file() for f in TOKENIZER_MAIN_FILES)
+
+
+def check_hf_config(hf: dict[str, Any], where: Path) -> None:
+    """Clear errors for sizes that cannot be: zero, negative or not integers."""
+    for key in _POSITIVE_KEYS:
+        value = hf.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ModelConfigError(f"{where / 'config.json'}: {key} must be a positive integer, "
+                                   f"got {value!r}")
+
+
+def check_layer_count(config: Any, names: Any, where: Path) -> None:
+    """The checkpoint's layers must be the ones config.json counts."""
+    layers = {int(m.group(1)) for n in names if (m := _LAYER_INDEX.search(n))}
+    want = getattr(config, "num_hidden_layers", None)
+    if layers and isinstance(want, int) and max(layers) + 1 != want:
+        raise ModelConfigError(
+            f"{where / 'config.json'} says num_hidden_layers={want} but the checkpoint has "
+            f"{max(layers) + 1} layers"
+        )
 
 
 def _eos_token_ids(source_dir: Path, hf: dict[str, Any]) -> list[int]:
@@ -107,6 +139,7 @@ def convert_model(
     """Build a model directory at `output_dir` from the HF folder `source_dir`."""
     source_dir, output_dir = Path(source_dir), Path(output_dir)
     hf = read_hf_config(source_dir)
+    check_hf_config(hf, source_dir)
     arch = detect_architecture(hf)
     mode = get_quant_mode(quantization)
     config = arch.config_from_hf(hf)
@@ -114,12 +147,15 @@ def convert_model(
         config.prefill_chunk_size = int(prefill_chunk_size)
     if context_window_size:
         config.context_window_size = int(context_window_size)
-    if output_dir.exists() and not (output_dir / MODEL_CONFIG_FILE).exists():
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ModelConfigError(f"{output_dir}: is a file, not a model directory")
+    if output_dir.exists() and not md.is_model_dir(output_dir):
         if any(output_dir.iterdir()):
             raise ModelConfigError(f"{output_dir}: exists and is not a localchat model directory")
 
     with ExitStack() as stack:
         weights = stack.enter_context(open_weights(source_dir))
+        check_layer_count(config, weights.names, source_dir)
         output_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=output_dir.parent, prefix=f".{output_dir.name}.tmp-"))
         stack.callback(lambda: shutil.rmtree(tmp, ignore_errors=True))
@@ -130,7 +166,7 @@ def convert_model(
             if (source_dir / fname).exists():
                 shutil.copy2(source_dir / fname, tmp / fname)
         meta = {
-            "format": FORMAT_VERSION,
+            "format": md.FORMAT_VERSION,
             "architecture": arch.name,
             "quantization": mode.name,
             "model_config": config.to_dict(),
@@ -144,7 +180,10 @@ def convert_model(
         }
         if arch.default_template and load_chat_template(tmp) is None:
             meta["template"] = arch.default_template
-        (tmp / MODEL_CONFIG_FILE).write_text(json.dumps(meta, indent=2))
+        md.write_config(tmp, meta)
+        md.write_manifest(tmp, repair=f"localchat convert {source_dir.resolve()} --quant "
+                          f"{mode.name} --output {output_dir.resolve()} --force")
+        md.share_modes(tmp)
         _replace_dir(tmp, output_dir)
     return output_dir
 

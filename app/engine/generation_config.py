@@ -11,11 +11,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from localchat.errors import GenerationError
+from localchat.errors import InvalidRequestError, ModelConfigError
 
 # OpenAI's documented ranges for the additive penalties and the logit bias.
 PENALTY_RANGE = (-2.0, 2.0)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
+# Most alternatives a token's logprobs may list (OpenAI's top_logprobs limit).
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,12 @@ class GenerationConfig:
     max_tokens: most tokens in the reply; None = until a stop or the context window ends.
     stop: strings that end the reply; they are never emitted, the text before them is kept.
     stop_token_ids: extra token ids that end the reply (on top of the model's own).
+    logprobs: None = off; k >= 0 = report each token's log-probability and the k most likely
+        alternatives (0..MAX_TOP_LOGPROBS) on its TokenEvent.
+    response_format: None or {"type": "text"} = free text; {"type": "json_object"} = any JSON
+        object; {"type": "json_schema", "json_schema": {"schema": {...}}} = JSON valid under
+        the schema (OpenAI's shape); {"type": "grammar", "grammar": "<EBNF/GBNF>"}. The reply
+        is constrained token by token (engine/grammar.py).
     """
 
     temperature: float = 0.7
@@ -49,6 +57,8 @@ class GenerationConfig:
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
+    response_format: Mapping[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         # Accept lists for the tuple fields and any mapping for logit_bias, store plain types.
@@ -69,7 +79,7 @@ class GenerationConfig:
         return self.temperature == 0
 
     def validate(self, vocab_size: int | None = None) -> GenerationConfig:
-        """Raise GenerationError naming the first out-of-range value; return self when valid.
+        """Raise InvalidRequestError naming the first out-of-range value; return self when valid.
 
         With `vocab_size`, token ids in logit_bias and stop_token_ids are checked against it.
         """
@@ -77,30 +87,34 @@ class GenerationConfig:
         _check_int("top_k", self.top_k, lo=0)
         _check_number("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
-            raise GenerationError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         _check_number("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
-            raise GenerationError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
         _check_number("repetition_penalty", self.repetition_penalty)
         if not self.repetition_penalty > 0.0:
-            raise GenerationError(
-                f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}"
+            raise InvalidRequestError(
+                f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}",
+                "repetition_penalty",
             )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check_number(name, value)
             if not PENALTY_RANGE[0] <= value <= PENALTY_RANGE[1]:
-                raise GenerationError(
-                    f"{name} must be in [{PENALTY_RANGE[0]}, {PENALTY_RANGE[1]}], got {value}"
+                raise InvalidRequestError(
+                    f"{name} must be in [{PENALTY_RANGE[0]}, {PENALTY_RANGE[1]}], got {value}", name
                 )
         for token_id, bias in self.logit_bias.items():
             _check_token_id("logit_bias", token_id, vocab_size)
             if isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias):
-                raise GenerationError(f"logit_bias[{token_id}] must be a number, got {bias!r}")
+                raise InvalidRequestError(
+                    f"logit_bias[{token_id}] must be a number, got {bias!r}", "logit_bias"
+                )
             if bias != -math.inf and not LOGIT_BIAS_RANGE[0] <= bias <= LOGIT_BIAS_RANGE[1]:
-                raise GenerationError(
+                raise InvalidRequestError(
                     f"logit_bias[{token_id}] must be in [{LOGIT_BIAS_RANGE[0]}, "
-                    f"{LOGIT_BIAS_RANGE[1]}] (or -inf to ban the token), got {bias}"
+                    f"{LOGIT_BIAS_RANGE[1]}] (or -inf to ban the token), got {bias}",
+                    "logit_bias",
                 )
         if self.seed is not None:
             _check_int("seed", self.seed, lo=0)
@@ -108,19 +122,37 @@ class GenerationConfig:
             _check_int("max_tokens", self.max_tokens, lo=1)
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise GenerationError(f"stop strings must be non-empty strings, got {s!r}")
+                raise InvalidRequestError(
+                    f"stop strings must be non-empty strings, got {s!r}", "stop"
+                )
         for token_id in self.stop_token_ids:
             _check_token_id("stop_token_ids", token_id, vocab_size)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, lo=0)
+            if self.logprobs > MAX_TOP_LOGPROBS:
+                raise InvalidRequestError(
+                    f"logprobs must be at most {MAX_TOP_LOGPROBS}, got {self.logprobs}",
+                    "logprobs",
+                )
+        self.structured_format()
         return self
+
+    def structured_format(self) -> dict[str, Any] | None:
+        """The normalized response format (None for free text); InvalidRequestError if
+        malformed."""
+        from localchat.engine.grammar import normalize_response_format
+
+        return normalize_response_format(self.response_format)
 
     def replace(self, **changes: Any) -> GenerationConfig:
         """A copy with some fields changed (unknown names are an error), validated."""
         names = {f.name for f in dataclasses.fields(self)}
         unknown = sorted(set(changes) - names)
         if unknown:
-            raise GenerationError(
+            raise InvalidRequestError(
                 f"unknown generation parameter(s) {', '.join(unknown)}; known: "
-                f"{', '.join(sorted(names))}"
+                f"{', '.join(sorted(names))}",
+                unknown[0],
             )
         return dataclasses.replace(self, **changes).validate()
 
@@ -130,6 +162,10 @@ class GenerationConfig:
         out["stop"] = list(self.stop)
         out["stop_token_ids"] = list(self.stop_token_ids)
         out["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()}
+        out["response_format"] = (
+            dict(self.response_format) if isinstance(self.response_format, Mapping)
+            else self.response_format
+        )
         return out
 
     @classmethod
@@ -147,7 +183,7 @@ class GenerationConfig:
             try:
                 data = json.loads(path.read_text(encoding="utf-8"))
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise GenerationError(f"{path}: not valid JSON ({exc})") from None
+                raise ModelConfigError(f"{path}: not valid JSON ({exc})") from None
             for key in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"):
                 if data.get(key) is not None:
                     values[key] = data[key]
@@ -168,24 +204,26 @@ def _as_token_key(key: Any) -> Any:
 
 def _check_number(name: str, value: Any, lo: float | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise GenerationError(f"{name} must be a number, got {value!r}")
+        raise InvalidRequestError(f"{name} must be a number, got {value!r}", name)
     if not math.isfinite(value):
-        raise GenerationError(f"{name} must be finite, got {value}")
+        raise InvalidRequestError(f"{name} must be finite, got {value}", name)
     if lo is not None and value < lo:
-        raise GenerationError(f"{name} must be >= {lo:g}, got {value}")
+        raise InvalidRequestError(f"{name} must be >= {lo:g}, got {value}", name)
 
 
 def _check_int(name: str, value: Any, lo: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise GenerationError(f"{name} must be an integer, got {value!r}")
+        raise InvalidRequestError(f"{name} must be an integer, got {value!r}", name)
     if value < lo:
-        raise GenerationError(f"{name} must be >= {lo}, got {value}")
+        raise InvalidRequestError(f"{name} must be >= {lo}, got {value}", name)
 
 
 def _check_token_id(name: str, token_id: Any, vocab_size: int | None) -> None:
     if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
-        raise GenerationError(f"{name}: token ids must be non-negative integers, got {token_id!r}")
+        raise InvalidRequestError(
+            f"{name}: token ids must be non-negative integers, got {token_id!r}", name
+        )
     if vocab_size is not None and token_id >= vocab_size:
-        raise GenerationError(
-            f"{name}: token id {token_id} is outside the vocabulary (size {vocab_size})"
+        raise InvalidRequestError(
+            f"{name}: token id {token_id} is outside the vocabulary (size {vocab_size})", name
         )

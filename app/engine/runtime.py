@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,13 +21,18 @@ import tvm
 from tvm import relax
 from tvm.runtime import ShapeTuple
 
-from localchat.engine.compile import CompiledLibrary, compile_library
-from localchat.engine.convert import MODEL_CONFIG_FILE
+from localchat.engine import model_dir as md
+from localchat.engine.compile import CompiledLibrary, model_library, quiet_native_output
 from localchat.engine.device import Device, select_device
 from localchat.engine.models import get_architecture
 from localchat.engine.quantization import get_quant_mode
-from localchat.engine.tokenizer import Tokenizer, load_tokenizer, read_json
-from localchat.errors import GenerationError, ModelConfigError, ModelNotFoundError
+from localchat.engine.tokenizer import Tokenizer, load_tokenizer
+from localchat.errors import (
+    GenerationError,
+    LocalchatError,
+    ModelConfigError,
+    ModelNotFoundError,
+)
 
 PAGE_SIZE = 16
 # TVM's CPU thread pool defaults to half the logical CPUs on x86 (one thread on a 2-vCPU
@@ -34,6 +40,11 @@ PAGE_SIZE = 16
 os.environ.setdefault("TVM_NUM_THREADS", str(os.cpu_count() or 1))
 RNN_HISTORY = 1  # RNN-state slots kept per sequence (1: no rollback, popn unsupported)
 _LOAD_LOCK = threading.Lock()  # the runtime's tensor cache is one per process
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else type(exc).__name__
 
 
 def _global(name: str) -> Any:
@@ -51,18 +62,6 @@ class Sequence:
         return len(self.tokens)
 
 
-def default_lib_dir(model_dir: Path) -> Path:
-    """Where compiled libraries of a model go: its own lib/ if writable, else the user cache."""
-    lib = model_dir / "lib"
-    if os.access(model_dir, os.W_OK):
-        return lib
-    from platformdirs import user_cache_dir
-
-    root = os.environ.get("LOCALCHAT_HOME")
-    base = Path(root) / "cache" if root else Path(user_cache_dir("localchat"))
-    return base / "lib" / model_dir.resolve().as_posix().strip("/").replace("/", "_")
-
-
 class Model:
     """A model directory loaded on a device, with its compiled functions and its state."""
 
@@ -74,12 +73,13 @@ class Model:
         max_batch_size: int = 8,
         max_total_tokens: int | None = None,
         prefill_chunk_size: int | None = None,
+        log: Callable[[str], None] | None = None,
     ) -> None:
         model_dir = Path(model_dir)
-        if not (model_dir / MODEL_CONFIG_FILE).exists():
+        if not md.is_model_dir(model_dir):
             raise ModelNotFoundError(f"{model_dir}: not a localchat model directory")
         self.model_dir = model_dir
-        self.meta = read_json(model_dir / MODEL_CONFIG_FILE)
+        self.meta = md.load_config(model_dir)
         self.arch = get_architecture(self.meta["architecture"])
         self.config = self.arch.config_from_dict(self.meta["model_config"])
         self.mode = get_quant_mode(self.meta["quantization"])
@@ -92,12 +92,25 @@ class Model:
         self.eos_token_ids: list[int] = list(self.meta.get("eos_token_ids") or [])
 
         t0 = time.perf_counter()
-        self.library: CompiledLibrary = compile_library(
-            self.arch, self.config, self.mode, self.device.target, default_lib_dir(model_dir)
+        self.library: CompiledLibrary = model_library(
+            model_dir, self.arch, self.config, self.mode, self.device.target, log=log
         )
         t1 = time.perf_counter()
-        self.vm = relax.VirtualMachine(tvm.runtime.load_module(str(self.library.path)), self.dev)
-        self.params = self._load_params()
+        try:
+            with quiet_native_output():
+                module = tvm.runtime.load_module(str(self.library.path))
+            self.vm = relax.VirtualMachine(module, self.dev)
+        except Exception as exc:  # a library that passed its hash but does not load
+            raise ModelConfigError(
+                f"cannot load the compiled library {self.library.path}: {_first_line(exc)}"
+            ) from None
+        try:
+            self.params = self._load_params()
+        except Exception as exc:  # TVM's errors from C++ for unreadable or garbage shards
+            raise ModelConfigError(
+                f"cannot load the weights of {model_dir}: {_first_line(exc)}; check them with "
+                f"`localchat doctor --verify`, repair with `{md.repair_command(model_dir)}`"
+            ) from None
         self.load_seconds = time.perf_counter() - t1
         self.compile_seconds = t1 - t0 if self.library.compiled else 0.0
         self._f = {name: self.vm[name] for name in self._function_names()}
@@ -118,9 +131,7 @@ class Model:
         return ["embed", "prefill", "decode", "batch_prefill", "batch_decode"]
 
     def _load_params(self) -> Any:
-        names = self.meta.get("param_names")
-        if not names:
-            raise ModelConfigError(f"{self.model_dir}: {MODEL_CONFIG_FILE} lists no parameters")
+        names = self.meta["param_names"]
         with _LOAD_LOCK:
             _global("vm.builtin.tensor_cache.load")(
                 str(self.model_dir), self.dev.dlpack_device_type(), self.dev.index
@@ -147,7 +158,15 @@ class Model:
     @property
     def tokenizer(self) -> Tokenizer:
         if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(self.model_dir)
+            try:
+                self._tokenizer = load_tokenizer(self.model_dir)
+            except LocalchatError:
+                raise
+            except Exception as exc:  # the tokenizers library's own errors on a garbage file
+                raise ModelConfigError(
+                    f"cannot load the tokenizer of {self.model_dir}: {_first_line(exc)}; "
+                    f"repair with `{md.repair_command(self.model_dir)}`"
+                ) from None
         return self._tokenizer
 
     # -- sequences -------------------------------------------------------------------------

@@ -7,7 +7,9 @@ so a step stays well under a millisecond on 50-65k vocabularies (see bench/bench
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -61,17 +63,25 @@ class Sampler:
     """Picks the tokens of one sequence's reply; owns its random generator and token history.
 
     Create one per reply with the tokens already in the context (`prompt_ids`, which the
-    repetition penalty counts as seen); `sample` picks a token and records it.
+    repetition penalty counts as seen); `sample` picks a token and records it. With a
+    `constraint` (a grammar.TokenConstraint, for a response format) tokens it does not allow
+    are banned before every pick, and every recorded token advances it.
     """
 
     def __init__(
-        self, config: GenerationConfig, vocab_size: int, prompt_ids: Iterable[int] = ()
+        self,
+        config: GenerationConfig,
+        vocab_size: int,
+        prompt_ids: Iterable[int] = (),
+        constraint: Any = None,
     ) -> None:
         config.validate(vocab_size)
         self.config = config
         self.vocab_size = vocab_size
         self.rng = np.random.default_rng(config.seed)
         self.num_generated = 0
+        self.constraint = constraint
+        self.mask_seconds = 0.0  # time spent filling and applying the grammar's token mask
         self._inv_temperature = 0.0 if config.greedy else 1.0 / config.temperature
         self._bias_ids = np.fromiter(config.logit_bias.keys(), dtype=np.int64)
         self._bias_values = np.fromiter(config.logit_bias.values(), dtype=np.float32)
@@ -84,7 +94,12 @@ class Sampler:
     @property
     def adjusts_logits(self) -> bool:
         """Whether bias or penalties can change the logits (False: greedy is a bare argmax)."""
-        return bool(self._bias_ids.size) or self._seen is not None or self._use_counts
+        return (
+            bool(self._bias_ids.size)
+            or self._seen is not None
+            or self._use_counts
+            or self.constraint is not None
+        )
 
     def observe_prompt(self, ids: Iterable[int]) -> None:
         """Mark context tokens as seen (repetition penalty only; they are not reply tokens)."""
@@ -99,6 +114,8 @@ class Sampler:
     def accept(self, token_id: int) -> None:
         """Record a token of the reply (done by `sample`; call it for tokens chosen elsewhere)."""
         self.num_generated += 1
+        if self.constraint is not None:
+            self.constraint.accept(token_id)
         if self._seen is not None:
             self._seen.add(token_id)
         if self._generated is not None and self._counts is not None:
@@ -136,6 +153,10 @@ class Sampler:
         if self._generated is not None and self._counts is not None and len(self._generated):
             ids = self._generated.array
             x[ids] -= cfg.presence_penalty + cfg.frequency_penalty * self._counts[ids]
+        if self.constraint is not None:
+            t0 = time.perf_counter()
+            self.constraint.apply(x)
+            self.mask_seconds += time.perf_counter() - t0
         return x
 
     def probabilities(self, logits: np.ndarray) -> np.ndarray:
@@ -234,6 +255,11 @@ def _positive_at_or_before(weights: np.ndarray, i: int) -> int:
 def _bad_logits_message(x: np.ndarray) -> str:
     if np.isnan(x).any():
         return "the model produced NaN logits"
+    if np.isneginf(x).all():
+        return (
+            "every token is excluded (all logits are -inf after logit_bias, penalties and the "
+            "response format's grammar)"
+        )
     return "every token is excluded (all logits are -inf after logit_bias and penalties)"
 
 

@@ -61,32 +61,6 @@ class Stops:
     strings: tuple[str, ...]
 
 
-@dataclass(frozen=True)
-class RenderedDelta:
-    """The prompt for a conversation, split into the part already prefilled and the new part.
-
-    reuses_prefix False means the earlier rendering is not a prefix of the new one (the
-    template rewrote earlier text, e.g. moved the system prompt): drop the sequence's state
-    and prefill `full`; then `new_text == full`.
-    """
-
-    full: str
-    new_text: str
-    reuses_prefix: bool
-
-    @property
-    def reused_chars(self) -> int:
-        """Length of the already-prefilled prefix of `full`."""
-        return len(self.full) - len(self.new_text)
-
-
-def text_delta(prefix: str, full: str) -> RenderedDelta:
-    """`full` minus an already-prefilled `prefix`, or all of `full` when it does not start so."""
-    if full.startswith(prefix):
-        return RenderedDelta(full, full[len(prefix) :], True)
-    return RenderedDelta(full, full, False)
-
-
 class ConversationTemplate(ABC):
     """Renders messages to a prompt and knows what ends a reply."""
 
@@ -100,37 +74,6 @@ class ConversationTemplate(ABC):
     @abstractmethod
     def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
         """The prompt text for `messages`, ending with the assistant's header when asked."""
-
-    def render_delta(
-        self,
-        previous: Sequence[Message],
-        new: Sequence[Message],
-        add_generation_prompt: bool = True,
-    ) -> RenderedDelta:
-        """The text that `new` messages add after `previous` ones (which end with a reply).
-
-        The prefix is `render(previous, add_generation_prompt=False)`; a trailing end-of-text
-        token that some templates put after the last message only when no generation prompt
-        follows (Phi-3) is not counted as part of it. The prefix is reused only if it is a
-        string prefix of the new rendering and if the prompt that each earlier reply was
-        generated from is a prefix of it too: templates that move text around as the
-        conversation grows (Mistral-Nemo puts the system prompt into the last user turn) get
-        `reuses_prefix=False` and the whole prompt. `new_text` starts right after a message's
-        closing text, a natural token boundary: tokenize it on its own and append.
-        """
-        everything = [*previous, *new]
-        full = self.render(everything, add_generation_prompt)
-        prefix = self.render(previous, add_generation_prompt=False)
-        if not full.startswith(prefix) and self.eos_token and prefix.endswith(self.eos_token):
-            prefix = prefix[: -len(self.eos_token)]
-        if not full.startswith(prefix):
-            return RenderedDelta(full, full, False)
-        for i, message in enumerate(previous):
-            if message.get("role") == "assistant" and not prefix.startswith(
-                self.render(previous[:i], add_generation_prompt=True)
-            ):
-                return RenderedDelta(full, full, False)
-        return RenderedDelta(full, full[len(prefix) :], True)
 
     def stops(self, tokenizer: TokenLookup, model_dir: Path | None = None) -> Stops:
         """Stop token ids and stop strings for this template with this tokenizer.

@@ -1,7 +1,9 @@
-"""The registry of architectures: adding one is one module plus one entry here."""
+"""The registry of architectures: adding one is one module of this package (with a function
+`architecture(name) -> Architecture`) plus one `Entry` in `REGISTRY`, the only list of them."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,76 +31,54 @@ class Architecture:
     default_template: str | None = None
 
 
-def _llama() -> Architecture:
-    from localchat.engine.models import llama
+@dataclass(frozen=True)
+class Entry:
+    """One architecture of the registry: its name (stored in converted models), the module of
+    this package that defines it (with a function `architecture(name) -> Architecture`), and the
+    HF `architectures` / `model_type` values that select it."""
 
-    return Architecture(
-        name="llama",
-        state="kv",
-        config_from_hf=llama.LlamaConfig.from_hf,
-        config_from_dict=llama.LlamaConfig.from_dict,
-        build=llama.LlamaForCausalLM,
-        hf_params=llama.hf_params,
-    )
+    name: str
+    module: str
+    hf_architectures: tuple[str, ...]
+    model_types: tuple[str, ...]
 
-
-def _rwkv4() -> Architecture:
-    from localchat.engine.models import rwkv4
-
-    return Architecture(
-        name="rwkv4",
-        state="rnn",
-        config_from_hf=rwkv4.Rwkv4Config.from_hf,
-        config_from_dict=rwkv4.Rwkv4Config.from_dict,
-        build=rwkv4.Rwkv4ForCausalLM,
-        hf_params=rwkv4.hf_params,
-        state_bytes=rwkv4.state_bytes,
-        default_template="rwkv_world",
-    )
+    def load(self) -> Architecture:
+        # imported on use: the model modules import TVM, the registry's users often do not need it
+        module = importlib.import_module(f"{__name__}.{self.module}")
+        return module.architecture(self.name)
 
 
-_HF_ARCHITECTURES: dict[str, Callable[[], Architecture]] = {
-    "LlamaForCausalLM": _llama,
-    "MistralForCausalLM": _llama,
-    "Qwen2ForCausalLM": _llama,
-    "RwkvForCausalLM": _rwkv4,
-}
-_MODEL_TYPES: dict[str, Callable[[], Architecture]] = {
-    "llama": _llama,
-    "mistral": _llama,
-    "qwen2": _llama,
-    "rwkv": _rwkv4,
-}
-_BY_NAME: dict[str, Callable[[], Architecture]] = {"llama": _llama, "rwkv4": _rwkv4}
-
-
-def register(name: str, factory: Callable[[], Architecture], hf_names: tuple[str, ...],
-             model_types: tuple[str, ...]) -> None:
-    """Add an architecture to the registry (used by the modules that define one)."""
-    _BY_NAME[name] = factory
-    for hf_name in hf_names:
-        _HF_ARCHITECTURES[hf_name] = factory
-    for model_type in model_types:
-        _MODEL_TYPES[model_type] = factory
+REGISTRY: tuple[Entry, ...] = (
+    Entry(
+        "llama",
+        "llama",
+        ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"),
+        ("llama", "mistral", "qwen2"),
+    ),
+    Entry("rwkv4", "rwkv4", ("RwkvForCausalLM",), ("rwkv",)),
+)
 
 
 def get_architecture(name: str) -> Architecture:
     """The architecture stored in a model directory's localchat-config.json."""
-    try:
-        return _BY_NAME[name]()
-    except KeyError:
-        raise UnsupportedModelError(f"unknown architecture {name!r}") from None
+    for entry in REGISTRY:
+        if entry.name == name:
+            return entry.load()
+    raise UnsupportedModelError(f"unknown architecture {name!r}")
 
 
 def detect_architecture(hf_config: dict[str, Any]) -> Architecture:
     """The architecture of an HF config.json, or UnsupportedModelError naming what it is."""
     names = hf_config.get("architectures") or []
     for hf_name in names:
-        if hf_name in _HF_ARCHITECTURES:
-            return _HF_ARCHITECTURES[hf_name]()
+        for entry in REGISTRY:
+            if hf_name in entry.hf_architectures:
+                return entry.load()
     model_type = hf_config.get("model_type")
-    if not names and model_type in _MODEL_TYPES:
-        return _MODEL_TYPES[model_type]()
+    if not names:
+        for entry in REGISTRY:
+            if model_type in entry.model_types:
+                return entry.load()
     what = ", ".join(names) if names else f"model_type {model_type!r}"
-    known = ", ".join(sorted(_HF_ARCHITECTURES))
+    known = ", ".join(sorted(n for entry in REGISTRY for n in entry.hf_architectures))
     raise UnsupportedModelError(f"unsupported architecture {what} (supported: {known})")

@@ -2,8 +2,9 @@
 
 A Linear holds its weight as float [out, in] or, in a 4-bit mode, as packed words and scales
 (see `localchat.engine.quantization`). On the CPU its product runs in the hand-scheduled kernels
-of `kernels_cpu`; on GPUs it is expressed as dequantize + matmul, which FuseOps/FuseTIR merge into
-one kernel that dlight then schedules.
+of `kernels.matmul` (a one-row call in the decode GEMV of `kernels.gemv`, in its AVX-512 form when
+`avx512`); on GPUs it is expressed as dequantize + matmul, which FuseOps/FuseTIR merge into one
+kernel that dlight then schedules.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from localchat.engine import kernels_cpu
+from localchat.engine.kernels import matmul
 from localchat.engine.quantization import GROUP_SIZE, NIBBLES_PER_WORD, QuantMode
 
 
@@ -27,12 +28,19 @@ class Linear(nn.Module):
     """y = x W^T (+ b), with W float or 4-bit packed according to the quantization mode."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool, mode: QuantMode, target_kind: str
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        mode: QuantMode,
+        target_kind: str,
+        avx512: bool = False,
     ) -> None:
         self.in_features = in_features
         self.out_features = out_features
         self.mode = mode
         self.target_kind = target_kind
+        self.avx512 = avx512
         if mode.quantized:
             self.weight = nn.Parameter((out_features, in_features // NIBBLES_PER_WORD), "uint32")
             self.scale = nn.Parameter((out_features, in_features // GROUP_SIZE), mode.dtype)
@@ -42,7 +50,9 @@ class Linear(nn.Module):
         self.bias = nn.Parameter((out_features,), mode.dtype) if bias else None
 
     def forward(self, x: nn.Tensor) -> nn.Tensor:
-        return linear(x, self.weight, self.scale, self.bias, self.mode, self.target_kind)
+        return linear(
+            x, self.weight, self.scale, self.bias, self.mode, self.target_kind, self.avx512
+        )
 
 
 def linear(
@@ -52,8 +62,10 @@ def linear(
     bias: nn.Tensor | None,
     mode: QuantMode,
     target_kind: str,
+    avx512: bool = False,
 ) -> nn.Tensor:
-    """x [..., K] times weight [N, K]^T, dispatching on target and quantization."""
+    """x [..., K] times weight [N, K]^T, dispatching on target and quantization (`avx512`: the
+    llvm target has AVX-512F, for the one-row GEMV)."""
     n = weight.shape[0]
     k = x.shape[-1]
     lead = list(x.shape[:-1])
@@ -62,8 +74,10 @@ def linear(
         for d in lead:
             rows = rows * d
         x2 = op.reshape(x, (rows, k))
-        make = kernels_cpu.linear_q4 if mode.quantized else kernels_cpu.linear_f
-        func = make(int(k), int(n), mode.dtype, bias is not None)
+        if mode.quantized:
+            func = matmul.linear_q4(int(k), int(n), mode.dtype, bias is not None, avx512)
+        else:
+            func = matmul.linear_f(int(k), int(n), mode.dtype, bias is not None)
         args = (
             [x2, weight]
             + ([scale] if scale is not None else [])
@@ -97,11 +111,19 @@ def linear(
 class Embedding(nn.Module):
     """Token embedding table, float or 4-bit packed; can double as a tied LM head."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, mode: QuantMode, target_kind: str):
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        mode: QuantMode,
+        target_kind: str,
+        avx512: bool = False,
+    ):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.mode = mode
         self.target_kind = target_kind
+        self.avx512 = avx512
         if mode.quantized:
             self.weight = nn.Parameter((vocab_size, hidden_size // NIBBLES_PER_WORD), "uint32")
             self.scale = nn.Parameter((vocab_size, hidden_size // GROUP_SIZE), mode.dtype)
@@ -126,7 +148,7 @@ class Embedding(nn.Module):
 
     def lm_head(self, x: nn.Tensor) -> nn.Tensor:
         """Logits from hidden states with the embedding matrix as the output projection."""
-        return linear(x, self.weight, self.scale, None, self.mode, self.target_kind)
+        return linear(x, self.weight, self.scale, None, self.mode, self.target_kind, self.avx512)
 
 
 def take_last_token(x: nn.Tensor) -> nn.Tensor:

@@ -2,7 +2,8 @@
 
 One definition covers the family: grouped-query attention with any head_dim, optional q/k/v
 bias (Qwen2), tied or separate LM head, RoPE with optional llama3 scaling, SiLU-gated MLP.
-q/k/v and gate/up are fused into one Linear each; attention runs on TVM's paged KV cache.
+q/k/v and gate/up are fused into one Linear each; attention runs on TVM's paged KV cache (on the
+CPU with the kernels of `kernels.attention`).
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ from tvm.relax.frontend.nn import op
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
 from tvm.target import Target
 
-from localchat.engine.attention_cpu import create_paged_kv_cache_cpu
+from localchat.engine.kernels.attention import create_paged_kv_cache_cpu
+from localchat.engine.kernels.common import has_avx512
+from localchat.engine.models import Architecture
 from localchat.engine.models.layers import Embedding, Linear, take_last_token
 from localchat.engine.quantization import QuantMode
 from localchat.errors import ModelConfigError, UnsupportedModelError
 
-HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 DEFAULT_PREFILL_CHUNK = 256
 
 
@@ -115,13 +117,15 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any]]:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, mode: QuantMode, tk: str) -> None:
+    def __init__(self, cfg: LlamaConfig, mode: QuantMode, tk: str, avx512: bool) -> None:
         self.num_q = cfg.num_attention_heads
         self.num_kv = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         qkv_out = (self.num_q + 2 * self.num_kv) * self.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, qkv_out, cfg.qkv_bias, mode, tk)
-        self.o_proj = Linear(self.num_q * self.head_dim, cfg.hidden_size, cfg.o_bias, mode, tk)
+        self.qkv_proj = Linear(cfg.hidden_size, qkv_out, cfg.qkv_bias, mode, tk, avx512)
+        self.o_proj = Linear(
+            self.num_q * self.head_dim, cfg.hidden_size, cfg.o_bias, mode, tk, avx512
+        )
 
     def forward(self, x: nn.Tensor, cache: PagedKVCache, layer_id: int) -> nn.Tensor:
         b, s, _ = x.shape
@@ -133,9 +137,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig, mode: QuantMode, tk: str) -> None:
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, mode, tk)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, mode, tk)
+    def __init__(self, cfg: LlamaConfig, mode: QuantMode, tk: str, avx512: bool) -> None:
+        h, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_up_proj = Linear(h, 2 * f, False, mode, tk, avx512)
+        self.down_proj = Linear(f, h, False, mode, tk, avx512)
 
     def forward(self, x: nn.Tensor) -> nn.Tensor:
         gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
@@ -143,14 +148,14 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, mode: QuantMode, tk: str) -> None:
+    def __init__(self, cfg: LlamaConfig, mode: QuantMode, tk: str, avx512: bool) -> None:
         eps = cfg.rms_norm_eps
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, -1, eps, bias=False, dtype=mode.dtype)
-        self.self_attn = LlamaAttention(cfg, mode, tk)
+        self.self_attn = LlamaAttention(cfg, mode, tk, avx512)
         self.post_attention_layernorm = nn.RMSNorm(
             cfg.hidden_size, -1, eps, bias=False, dtype=mode.dtype
         )
-        self.mlp = LlamaMLP(cfg, mode, tk)
+        self.mlp = LlamaMLP(cfg, mode, tk, avx512)
 
     def forward(self, x: nn.Tensor, cache: PagedKVCache, layer_id: int) -> nn.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cache, layer_id)
@@ -158,10 +163,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: LlamaConfig, mode: QuantMode, tk: str) -> None:
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, mode, tk)
+    def __init__(self, cfg: LlamaConfig, mode: QuantMode, tk: str, avx512: bool) -> None:
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, mode, tk, avx512)
         self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(cfg, mode, tk) for _ in range(cfg.num_hidden_layers)]
+            [LlamaDecoderLayer(cfg, mode, tk, avx512) for _ in range(cfg.num_hidden_layers)]
         )
         self.norm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False, dtype=mode.dtype)
 
@@ -179,9 +184,10 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.mode = mode
         self.target = target
-        self.model = LlamaModel(cfg, mode, tk)
+        avx512 = has_avx512(target)  # the one-row GEMV unpacks by table lookup
+        self.model = LlamaModel(cfg, mode, tk, avx512)
         if not cfg.tie_word_embeddings:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, mode, tk)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, mode, tk, avx512)
 
     def _logits(self, h: nn.Tensor) -> nn.Tensor:
         if self.cfg.tie_word_embeddings:
@@ -317,3 +323,15 @@ def hf_params(
             yield "lm_head.weight", get("lm_head.weight")
         else:  # some checkpoints omit a head that equals the embedding
             yield "lm_head.weight", get("model.embed_tokens.weight")
+
+
+def architecture(name: str) -> Architecture:
+    """The registry's view of this module (see `localchat.engine.models.REGISTRY`)."""
+    return Architecture(
+        name=name,
+        state="kv",
+        config_from_hf=LlamaConfig.from_hf,
+        config_from_dict=LlamaConfig.from_dict,
+        build=LlamaForCausalLM,
+        hf_params=hf_params,
+    )

@@ -1,16 +1,17 @@
-"""RWKV-4 (the World models among them) in `tvm.relax.frontend.nn`, state in TVM's RNN state.
+"""RWKV-4 (the World models among them) in `tvm.relax.frontend.nn`: its config, the model and
+its registry entry; the recurrent state lives in `rwkv4_state`, the checkpoint names in
+`rwkv4_weights`, BlinkDL `.pth` preparation in `rwkv4_pth`.
 
 Per block: LayerNorm -> time-mix -> residual, LayerNorm -> channel-mix -> residual; block 0's
 pre-LayerNorm on the embeddings is folded into the embedding table at conversion (it is a
 per-row function of the row), then a final LayerNorm and the head.
 
 Every exported function runs one code path on a flat list of tokens from B sequences (see
-`kernels_wkv`): prefill is B = 1, batch_prefill takes the sequence ends from `logit_positions`
+`kernels.wkv`): prefill is B = 1, batch_prefill takes the sequence ends from `logit_positions`
 (the runtime passes the last position of each sequence), decode / batch_decode have one token per
 sequence. The recurrent state of each sequence lives in TVM's RNN-state object, five tensors per
-layer: 0 = time-mix x_prev, 1 = a, 2 = b, 3 = p (the WKV numerator, denominator and running
-max exponent, always float32), 4 = channel-mix x_prev. x_prev is the LayerNorm output of the
-sequence's last token, as in transformers' RwkvForCausalLM.
+layer (`rwkv4_state`); x_prev is the LayerNorm output of the sequence's last token, as in
+transformers' RwkvForCausalLM.
 
 Numerics follow transformers' RwkvForCausalLM in eval mode: `time_decay` is stored as
 -exp(time_decay) (float32, like time_first, in every quantization mode); with rescale_every = R > 0
@@ -18,52 +19,44 @@ the time-mix output and channel-mix value weights of layer i are divided by 2**(
 conversion and the hidden state is halved after every R-th layer at run time (both exact in
 binary floating point; LayerNorm makes the result scale-free up to its epsilon).
 
-Checkpoints: the HF layout (`rwkv.embeddings`, `rwkv.blocks.N.attention.*`, ...) and the original
-BlinkDL `.pth` layout (`emb.weight`, `blocks.N.att.*`, `blocks.N.ffn.*`, `blocks.0.ln0`); the
-converter reads either from a folder. A lone `.pth` file becomes such a folder with
-`prepare_pth_source` (or `python -m localchat.engine.models.rwkv4 FILE.pth FOLDER`): a config.json
-inferred from the tensor shapes, the checkpoint linked in, the World vocabulary copied when it lies
-next to the checkpoint; then `localchat convert FOLDER -o OUT` as for an HF folder.
-
-Decode (one token per sequence) runs its Linears in `kernels_gemv` (weights unpacked in
-registers); prefill uses the blocked kernels of `kernels_cpu` through `layers.Linear`; GPUs get
-dequantize + matmul and the GPU variants of the scan and state kernels.
+Decode (one token per sequence) runs its Linears in the decode GEMV of `kernels.gemv` (weights
+unpacked in registers); prefill uses the blocked kernels of `kernels.matmul` through
+`layers.Linear`; GPUs get dequantize + matmul and the GPU variants of the scan and state kernels.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import re
-import shutil
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import numpy as np
-from tvm import relax as rx
 from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 from tvm.target import Target
 
-from localchat.engine import kernels_gemv, kernels_wkv
+from localchat.engine.kernels import wkv
+from localchat.engine.kernels.common import GROUP_SIZE, LANES, has_avx512
+from localchat.engine.kernels.gemv import gemv_f, gemv_q4
+from localchat.engine.models import Architecture
 from localchat.engine.models.layers import Embedding, Linear
+from localchat.engine.models.rwkv4_state import (
+    ATT_A,
+    ATT_B,
+    ATT_P,
+    ATT_X,
+    FFN_X,
+    RnnState,
+    initial_values,
+    state_bytes,
+)
+from localchat.engine.models.rwkv4_weights import hf_params
 from localchat.engine.quantization import QuantMode
-from localchat.errors import ModelConfigError, UnsupportedModelError, WeightsError
+from localchat.errors import ModelConfigError, UnsupportedModelError
 
-HF_ARCHITECTURES = ("RwkvForCausalLM",)
-MODEL_TYPES = ("rwkv",)
 DEFAULT_PREFILL_CHUNK = 512
 # An RNN has no context limit; this only bounds the runtime's length check.
 DEFAULT_CONTEXT = 1 << 20
-STATE_INIT_P = -1.0e30  # "minus infinity" for the running max exponent, finite under subtraction
-WORLD_VOCAB = "rwkv_vocab_v20230424.txt"
-
-# state ids within a layer
-ATT_X, ATT_A, ATT_B, ATT_P, FFN_X = range(5)
 
 
 @dataclass
@@ -117,90 +110,17 @@ class Rwkv4Config:
         return cfg
 
 
-def state_bytes(cfg: Rwkv4Config, max_batch_size: int, dtype: str = "float32") -> int:
-    """Bytes of the recurrent state for `max_batch_size` sequences (one history slot each)."""
-    itemsize = np.dtype(dtype).itemsize
-    per_layer = 2 * cfg.hidden_size * itemsize + 3 * cfg.attention_hidden_size * 4
-    return per_layer * cfg.num_hidden_layers * max_batch_size
-
-
-# ------------------------------------------------------------------------------------------------
-# The RNN state object
-# ------------------------------------------------------------------------------------------------
-
-
-class RnnState(nn.Object):
-    """TVM's runtime RNN state (`vm.builtin.rnn_state_*`) seen from the model."""
-
-    @staticmethod
-    def create(
-        max_batch_size: tirx.Var,
-        max_history: tirx.Var,
-        num_layers: int,
-        init_values: list[np.ndarray],
-        gpu: bool = False,
-    ) -> RnnState:
-        bb = rx.BlockBuilder.current()
-        f_gets, f_sets = [], []
-        for sid, init in enumerate(init_values):
-            size, dtype = int(init.shape[0]), str(init.dtype)
-            get = kernels_wkv.state_get(size, dtype, sid, gpu)
-            put = kernels_wkv.state_set(size, dtype, sid, gpu)
-            f_gets.append(bb.add_func(get, f"rnn_state_get_{sid}"))
-            f_sets.append(bb.add_func(put, f"rnn_state_set_{sid}"))
-        expr = rx.call_pure_packed(
-            "vm.builtin.rnn_state_create",
-            rx.prim_value(num_layers),
-            rx.prim_value(max_batch_size),
-            rx.prim_value(max_history),
-            rx.Tuple(f_gets),
-            rx.Tuple(f_sets),
-            rx.Tuple([rx.const(v) for v in init_values]),
-            ty_args=[rx.ObjectType()],
-        )
-        return RnnState(_expr=expr, _name="rnn_state")
-
-    def get(self, layer_id: int, state_id: int, batch: tirx.PrimExpr, size: int, dtype: str):
-        """The state `state_id` of layer `layer_id` for the sequences of this forward, [B, size]."""
-        bb = rx.BlockBuilder.current()
-        return nn.Tensor(
-            _expr=bb.emit(
-                rx.call_dps_packed(
-                    "vm.builtin.rnn_state_get",
-                    [self._expr, rx.prim_value(layer_id), rx.prim_value(state_id)],
-                    out_ty=rx.TensorType([batch, size], dtype),
-                )
-            )
-        )
-
-    def set(self, layer_id: int, state_id: int, value: nn.Tensor) -> RnnState:
-        bb = rx.BlockBuilder.current()
-        expr = bb.emit(
-            rx.call_pure_packed(
-                "vm.builtin.rnn_state_set",
-                self._expr,
-                rx.prim_value(layer_id),
-                rx.prim_value(state_id),
-                value._expr,
-                ty_args=[rx.ObjectType()],
-            )
-        )
-        return RnnState(_expr=expr, _name="rnn_state")
-
-
 # ------------------------------------------------------------------------------------------------
 # Graph helpers
 # ------------------------------------------------------------------------------------------------
 
 
 def _segment_starts(ends: nn.Tensor, n: tirx.PrimExpr) -> nn.Tensor:
-    return op.tensor_expr_op(
-        lambda e: kernels_wkv.segment_starts(e, n), "segment_starts", args=[ends]
-    )
+    return op.tensor_expr_op(lambda e: wkv.segment_starts(e, n), "segment_starts", args=[ends])
 
 
 def _token_mix(x: nn.Tensor, prev: nn.Tensor, start_of: nn.Tensor, *mixes: nn.Tensor):
-    out = op.tensor_expr_op(kernels_wkv.token_mix, "token_mix", args=[x, prev, start_of, *mixes])
+    out = op.tensor_expr_op(wkv.token_mix, "token_mix", args=[x, prev, start_of, *mixes])
     return out if isinstance(out, (list, tuple)) else [out]
 
 
@@ -216,20 +136,9 @@ def _const_ends(x: nn.Tensor, kind: str) -> nn.Tensor:
     return op.tensor_expr_op(compute, f"{kind}_ends", args=[x])
 
 
-def _has_avx512(target: Target) -> bool:
-    if target.kind.name != "llvm":
-        return False
-    from tvm.target import codegen
-
-    try:
-        return bool(codegen.llvm_cpu_has_features(["avx512f"], target))
-    except Exception:  # an LLVM without x86, or a CPU it does not know
-        return False
-
-
 def _project(lin: Linear, x: nn.Tensor, gemv: bool, avx512: bool = False) -> nn.Tensor:
     """lin(x) for x [rows, in]; with `gemv` (decode: a few rows) on the CPU, in the
-    matrix-vector kernels of `kernels_gemv` that unpack weights in registers."""
+    matrix-vector kernels of `kernels.gemv` that unpack weights in registers."""
     k, n, mode = lin.in_features, lin.out_features, lin.mode
     if lin.target_kind != "llvm":
         # GPUs: dequantize + matmul scheduled by dlight, in the shapes the Llama family uses:
@@ -240,11 +149,11 @@ def _project(lin: Linear, x: nn.Tensor, gemv: bool, avx512: bool = False) -> nn.
         return op.reshape(lin(op.reshape(x, shape)), (rows, n))
     if not gemv or lin.bias is not None:
         return lin(x)
-    if mode.quantized and k % kernels_gemv.Q4_K_MULTIPLE == 0:
-        func = kernels_gemv.gemv_q4(k, n, mode.dtype, avx512)
+    if mode.quantized and k % GROUP_SIZE == 0:
+        func = gemv_q4(k, n, mode.dtype, avx512)
         args = [x, lin.weight, lin.scale]
-    elif not mode.quantized and k % kernels_gemv.LANES == 0:
-        func, args = kernels_gemv.gemv_f(k, n, mode.dtype), [x, lin.weight]
+    elif not mode.quantized and k % LANES == 0:
+        func, args = gemv_f(k, n, mode.dtype), [x, lin.weight]
     else:
         return lin(x)
     out = nn.Tensor.placeholder((x.shape[0], n), mode.dtype)
@@ -277,10 +186,10 @@ class TimeMix(nn.Module):
         self.time_mix_k = nn.Parameter((h,), dt)
         self.time_mix_v = nn.Parameter((h,), dt)
         self.time_mix_r = nn.Parameter((h,), dt)
-        self.key = Linear(h, a, False, mode, tk)
-        self.value = Linear(h, a, False, mode, tk)
-        self.receptance = Linear(h, a, False, mode, tk)
-        self.output = Linear(a, h, False, mode, tk)
+        self.key = Linear(h, a, False, mode, tk, avx512)
+        self.value = Linear(h, a, False, mode, tk, avx512)
+        self.receptance = Linear(h, a, False, mode, tk, avx512)
+        self.output = Linear(a, h, False, mode, tk, avx512)
 
     def forward(self, xx, ends, start_of, state: RnnState, layer_id: int, batch, gemv: bool):
         a, dt = self.attention_size, self.dtype
@@ -296,7 +205,7 @@ class TimeMix(nn.Module):
         r = op.sigmoid(_project(self.receptance, xr, gemv, self.avx512))
         n = xx.shape[0]
         y, aa, bb, pp = op.tensor_ir_op(
-            kernels_wkv.wkv_scan(a, dt, self.gpu),
+            wkv.wkv_scan(a, dt, self.gpu),
             "wkv_scan",
             args=[k, v, self.time_decay, self.time_first, aa, bb, pp, ends],
             out=[
@@ -320,9 +229,9 @@ class ChannelMix(nn.Module):
         self.dtype = dt
         self.time_mix_k = nn.Parameter((h,), dt)
         self.time_mix_r = nn.Parameter((h,), dt)
-        self.key = Linear(h, f, False, mode, tk)
-        self.receptance = Linear(h, h, False, mode, tk)
-        self.value = Linear(f, h, False, mode, tk)
+        self.key = Linear(h, f, False, mode, tk, avx512)
+        self.receptance = Linear(h, h, False, mode, tk, avx512)
+        self.value = Linear(f, h, False, mode, tk, avx512)
 
     def forward(self, xx, ends, start_of, state: RnnState, layer_id: int, batch, gemv: bool):
         prev = state.get(layer_id, FFN_X, batch, xx.shape[-1], self.dtype)
@@ -357,13 +266,13 @@ class Rwkv4ForCausalLM(nn.Module):
         self.mode = mode
         self.target = target
         h = cfg.hidden_size
-        self.avx512 = _has_avx512(target)
+        self.avx512 = has_avx512(target)
         self.embeddings = Embedding(cfg.vocab_size, h, mode, tk)  # pre-LayerNorm folded in
         self.blocks = nn.ModuleList(
             [Block(cfg, mode, tk, self.avx512) for _ in range(cfg.num_hidden_layers)]
         )
         self.ln_out = nn.LayerNorm(h, cfg.layer_norm_epsilon, dtype=mode.dtype)
-        self.head = Linear(h, cfg.vocab_size, False, mode, tk)
+        self.head = Linear(h, cfg.vocab_size, False, mode, tk, self.avx512)
 
     def _forward(self, x: nn.Tensor, ends: nn.Tensor, state: RnnState, gemv: bool = False):
         """x [n, h] holding B sequences ending at `ends` -> logits [B, vocab] (float32).
@@ -401,15 +310,8 @@ class Rwkv4ForCausalLM(nn.Module):
         return self._forward(input_embeds, ends, rnn_state, gemv=True)
 
     def create_rnn_state(self, max_batch_size: tirx.Var, max_history: tirx.Var) -> RnnState:
-        cfg, dt = self.cfg, self.mode.dtype
-        h, a = cfg.hidden_size, cfg.attention_hidden_size
-        init = [
-            np.zeros(h, dt),
-            np.zeros(a, "float32"),
-            np.zeros(a, "float32"),
-            np.full(a, STATE_INIT_P, "float32"),
-            np.zeros(h, dt),
-        ]
+        cfg = self.cfg
+        init = initial_values(cfg, self.mode.dtype)
         gpu = self.target.kind.name != "llvm"
         return RnnState.create(max_batch_size, max_history, cfg.num_hidden_layers, init, gpu)
 
@@ -445,147 +347,15 @@ class Rwkv4ForCausalLM(nn.Module):
         return nn.spec.ModuleSpec.from_raw(spec, self)
 
 
-# ------------------------------------------------------------------------------------------------
-# Weights
-# ------------------------------------------------------------------------------------------------
-
-# our name within a block -> (HF name, BlinkDL name) within a block
-_BLOCK_NAMES = {
-    "ln1.weight": ("ln1.weight", "ln1.weight"),
-    "ln1.bias": ("ln1.bias", "ln1.bias"),
-    "ln2.weight": ("ln2.weight", "ln2.weight"),
-    "ln2.bias": ("ln2.bias", "ln2.bias"),
-    "att.time_decay": ("attention.time_decay", "att.time_decay"),
-    "att.time_first": ("attention.time_first", "att.time_first"),
-    "att.time_mix_k": ("attention.time_mix_key", "att.time_mix_k"),
-    "att.time_mix_v": ("attention.time_mix_value", "att.time_mix_v"),
-    "att.time_mix_r": ("attention.time_mix_receptance", "att.time_mix_r"),
-    "att.key.weight": ("attention.key.weight", "att.key.weight"),
-    "att.value.weight": ("attention.value.weight", "att.value.weight"),
-    "att.receptance.weight": ("attention.receptance.weight", "att.receptance.weight"),
-    "att.output.weight": ("attention.output.weight", "att.output.weight"),
-    "ffn.time_mix_k": ("feed_forward.time_mix_key", "ffn.time_mix_k"),
-    "ffn.time_mix_r": ("feed_forward.time_mix_receptance", "ffn.time_mix_r"),
-    "ffn.key.weight": ("feed_forward.key.weight", "ffn.key.weight"),
-    "ffn.receptance.weight": ("feed_forward.receptance.weight", "ffn.receptance.weight"),
-    "ffn.value.weight": ("feed_forward.value.weight", "ffn.value.weight"),
-}
-_TOP_NAMES = {
-    "emb": ("rwkv.embeddings.weight", "emb.weight"),
-    "pre_ln.weight": ("rwkv.blocks.0.pre_ln.weight", "blocks.0.ln0.weight"),
-    "pre_ln.bias": ("rwkv.blocks.0.pre_ln.bias", "blocks.0.ln0.bias"),
-    "ln_out.weight": ("rwkv.ln_out.weight", "ln_out.weight"),
-    "ln_out.bias": ("rwkv.ln_out.bias", "ln_out.bias"),
-    "head.weight": ("head.weight", "head.weight"),
-}
-
-
-def _layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
-    x = x.astype(np.float64)
-    mu = x.mean(axis=-1, keepdims=True)
-    var = ((x - mu) ** 2).mean(axis=-1, keepdims=True)
-    return ((x - mu) / np.sqrt(var + eps) * w.astype(np.float64) + b.astype(np.float64)).astype(
-        np.float32
+def architecture(name: str) -> Architecture:
+    """The registry's view of this module (see `localchat.engine.models.REGISTRY`)."""
+    return Architecture(
+        name=name,
+        state="rnn",
+        config_from_hf=Rwkv4Config.from_hf,
+        config_from_dict=Rwkv4Config.from_dict,
+        build=Rwkv4ForCausalLM,
+        hf_params=hf_params,
+        state_bytes=state_bytes,
+        default_template="rwkv_world",
     )
-
-
-def hf_params(
-    cfg: Rwkv4Config, get: Callable[[str], np.ndarray], names: set[str]
-) -> Iterator[tuple[str, np.ndarray]]:
-    """Our float parameters, by our names, from an HF or a BlinkDL checkpoint."""
-    blink = "emb.weight" in names
-    col = 1 if blink else 0
-
-    def top(key: str) -> np.ndarray:
-        return np.asarray(get(_TOP_NAMES[key][col]), dtype=np.float32)
-
-    emb = top("emb")
-    eps = cfg.layer_norm_epsilon
-    yield "embeddings.weight", _layer_norm(emb, top("pre_ln.weight"), top("pre_ln.bias"), eps)
-    every = cfg.rescale_every
-    for i in range(cfg.num_hidden_layers):
-        prefix = f"blocks.{i}." if blink else f"rwkv.blocks.{i}."
-        for ours, pair in _BLOCK_NAMES.items():
-            value = np.asarray(get(prefix + pair[col]), dtype=np.float32)
-            if ours.startswith("att.time_") or ours.startswith("ffn.time_"):
-                value = value.reshape(-1)
-            if ours == "att.time_decay":
-                value = -np.exp(value)
-            if every > 0 and ours in ("att.output.weight", "ffn.value.weight"):
-                value = value / np.float32(2 ** (i // every))
-            yield f"blocks.{i}.{ours}", value
-    yield "ln_out.weight", top("ln_out.weight")
-    yield "ln_out.bias", top("ln_out.bias")
-    if _TOP_NAMES["head.weight"][col] in names:
-        yield "head.weight", top("head.weight")
-    else:  # a tied head is the raw embedding (ours has the pre-LayerNorm folded in)
-        yield "head.weight", emb
-
-
-# ------------------------------------------------------------------------------------------------
-# BlinkDL .pth files
-# ------------------------------------------------------------------------------------------------
-
-
-def config_from_checkpoint(path: Path, rescale_every: int = 6) -> dict[str, Any]:
-    """An HF-style config.json for a BlinkDL RWKV-4 `.pth`, inferred from its tensor shapes."""
-    from localchat.engine.weights import open_checkpoint_file
-
-    src = open_checkpoint_file(Path(path))
-    names = src.names
-    if "emb.weight" not in names or "blocks.0.att.time_first" not in names:
-        raise WeightsError(f"{Path(path).name}: not an RWKV-4 checkpoint (no emb / att.time_first)")
-    if any(".ln_x." in n or ".time_faaaa" in n or ".att.gate." in n for n in names):
-        raise UnsupportedModelError(
-            f"{Path(path).name}: an RWKV-5/6 checkpoint (only RWKV-4 is supported)"
-        )
-    layers = 1 + max(int(m.group(1)) for n in names if (m := re.match(r"blocks\.(\d+)\.", n)))
-    vocab, hidden = src.get("emb.weight").shape
-    return {
-        "architectures": ["RwkvForCausalLM"],
-        "model_type": "rwkv",
-        "vocab_size": int(vocab),
-        "hidden_size": int(hidden),
-        "attention_hidden_size": int(src.get("blocks.0.att.key.weight").shape[0]),
-        "intermediate_size": int(src.get("blocks.0.ffn.key.weight").shape[0]),
-        "num_hidden_layers": int(layers),
-        "layer_norm_epsilon": 1e-5,
-        "rescale_every": int(rescale_every),
-        "bos_token_id": 0,
-        "eos_token_id": 0,
-        "tie_word_embeddings": False,
-    }
-
-
-def prepare_pth_source(pth: Path, dest: Path, *, rescale_every: int = 6) -> Path:
-    """Make `dest` a folder the converter reads: config.json inferred from `pth`, the checkpoint
-    (linked, or copied where links are not possible) and the World vocabulary when it lies next
-    to the checkpoint. Returns `dest`."""
-    pth, dest = Path(pth), Path(dest)
-    config = config_from_checkpoint(pth, rescale_every)
-    dest.mkdir(parents=True, exist_ok=True)
-    target = dest / pth.name
-    if not target.exists():
-        try:
-            os.symlink(pth.resolve(), target)
-        except OSError:
-            shutil.copy2(pth, target)
-    (dest / "config.json").write_text(json.dumps(config, indent=2))
-    vocab = pth.parent / WORLD_VOCAB
-    if vocab.exists() and not (dest / WORLD_VOCAB).exists():
-        shutil.copy2(vocab, dest / WORLD_VOCAB)
-    return dest
-
-
-if __name__ == "__main__":  # python -m localchat.engine.models.rwkv4 FILE.pth FOLDER
-    import argparse
-
-    parser = argparse.ArgumentParser(
-        description="Make a converter-ready folder from a BlinkDL RWKV-4 .pth "
-        "(then: localchat convert FOLDER -o OUT)"
-    )
-    parser.add_argument("pth", type=Path)
-    parser.add_argument("folder", type=Path)
-    parser.add_argument("--rescale-every", type=int, default=6)
-    ns = parser.parse_args()
-    print(prepare_pth_source(ns.pth, ns.folder, rescale_every=ns.rescale_every))

@@ -29,15 +29,7 @@ from __future__ import annotations
 from tvm import te, tirx
 from tvm.script import tirx as T
 
-LANES = 16  # float32 lanes of one AVX-512 register
-GPU_THREADS = 64  # threads per block of the GPU variants
-
-
-def _lanes(channels: int) -> int:
-    for w in (LANES, 8, 4, 2, 1):
-        if channels % w == 0:
-            return w
-    return 1
+from localchat.engine.kernels.common import GPU_COPY_THREADS, GPU_THREADS, scheduled, vec_width
 
 
 def segment_starts(ends: te.Tensor, n: tirx.PrimExpr) -> te.Tensor:
@@ -80,7 +72,7 @@ def wkv_scan(channels: int, dtype: str, gpu: bool = False) -> tirx.PrimFunc:
     -> (y [n, C] dtype; a', b', p' [B, C] f32).  `gpu`: one thread per channel."""
     if gpu:
         return _wkv_scan_gpu(channels, dtype)
-    cl = _lanes(channels)
+    cl = vec_width(channels)
     f32 = "float32"
 
     @T.prim_func(private=True)
@@ -98,7 +90,6 @@ def wkv_scan(channels: int, dtype: str, gpu: bool = False) -> tirx.PrimFunc:
         var_b_out: T.handle,
         var_p_out: T.handle,
     ):
-        T.func_attr({"tir.noalias": True, "tir.is_scheduled": True})
         n = T.int64()
         nb = T.int64()
         k = T.match_buffer(var_k, (n, channels), dtype)
@@ -149,7 +140,7 @@ def wkv_scan(channels: int, dtype: str, gpu: bool = False) -> tirx.PrimFunc:
                     b_out[s, co * cl + e] = sb[e]
                     p_out[s, co * cl + e] = sp[e]
 
-    return func
+    return scheduled(func)
 
 
 def _wkv_scan_gpu(channels: int, dtype: str) -> tirx.PrimFunc:
@@ -171,7 +162,6 @@ def _wkv_scan_gpu(channels: int, dtype: str) -> tirx.PrimFunc:
         var_b_out: T.handle,
         var_p_out: T.handle,
     ):
-        T.func_attr({"tir.noalias": True, "tir.is_scheduled": True})
         n = T.int64()
         nb = T.int64()
         k = T.match_buffer(var_k, (n, channels), dtype)
@@ -223,18 +213,17 @@ def _wkv_scan_gpu(channels: int, dtype: str) -> tirx.PrimFunc:
                         b_out[s, bx * GPU_THREADS + tx] = st[1]
                         p_out[s, bx * GPU_THREADS + tx] = st[2]
 
-    return func
+    return scheduled(func)
 
 
 def state_get(size: int, dtype: str, state_id: int, gpu: bool = False) -> tirx.PrimFunc:
     """out[i, :] = storage[seq_slot[i], history_slot[i], :]"""
     if gpu:
         return _state_copy_gpu(size, dtype, state_id, write=False)
-    cl = _lanes(size)
+    cl = vec_width(size)
 
     @T.prim_func(private=True)
     def func(var_storage: T.handle, var_seq: T.handle, var_hist: T.handle, var_out: T.handle):
-        T.func_attr({"tir.noalias": True, "tir.is_scheduled": True})
         max_seqs = T.int64()
         max_history = T.int64()
         nb = T.int32()
@@ -247,18 +236,17 @@ def state_get(size: int, dtype: str, state_id: int, gpu: bool = False) -> tirx.P
                 for e in T.vectorized(cl):
                     out[i, co * cl + e] = storage[seq[i], hist[i], co * cl + e]
 
-    return func.with_attr("global_symbol", f"rnn_state_get_{state_id}")
+    return scheduled(func).with_attr("global_symbol", f"rnn_state_get_{state_id}")
 
 
 def state_set(size: int, dtype: str, state_id: int, gpu: bool = False) -> tirx.PrimFunc:
     """storage[seq_slot[i], (history_slot[i] + 1) % max_history, :] = data[i, :]"""
     if gpu:
         return _state_copy_gpu(size, dtype, state_id, write=True)
-    cl = _lanes(size)
+    cl = vec_width(size)
 
     @T.prim_func(private=True)
     def func(var_storage: T.handle, var_seq: T.handle, var_hist: T.handle, var_data: T.handle):
-        T.func_attr({"tir.noalias": True, "tir.is_scheduled": True})
         max_seqs = T.int64()
         max_history = T.int64()
         nb = T.int32()
@@ -273,16 +261,15 @@ def state_set(size: int, dtype: str, state_id: int, gpu: bool = False) -> tirx.P
                         data[i, co * cl + e]
                     )
 
-    return func.with_attr("global_symbol", f"rnn_state_set_{state_id}")
+    return scheduled(func).with_attr("global_symbol", f"rnn_state_set_{state_id}")
 
 
 def _state_copy_gpu(size: int, dtype: str, state_id: int, write: bool) -> tirx.PrimFunc:
     """state_get / state_set with one thread per element."""
-    threads = 256
+    threads = GPU_COPY_THREADS
 
     @T.prim_func(private=True)
     def func(var_storage: T.handle, var_seq: T.handle, var_hist: T.handle, var_data: T.handle):
-        T.func_attr({"tir.noalias": True, "tir.is_scheduled": True})
         max_seqs = T.int64()
         max_history = T.int64()
         nb = T.int32()
@@ -307,4 +294,4 @@ def _state_copy_gpu(size: int, dtype: str, state_id: int, write: bool) -> tirx.P
                         ]
 
     kind = "set" if write else "get"
-    return func.with_attr("global_symbol", f"rnn_state_{kind}_{state_id}")
+    return scheduled(func).with_attr("global_symbol", f"rnn_state_{kind}_{state_id}")

@@ -1,34 +1,56 @@
-"""The generation loop: a scheduler thread that runs every active reply of one model together.
+"""The continuous-batching loop: a scheduler thread that runs every active reply of one model.
 
 Each loop turn admits waiting requests (a sequence slot for each, evicting the state of idle
-conversations when slots run out), feeds one prefill chunk (several requests' chunks batched in
-one call), then advances every decoding request by one token in one batched `Model.decode`
-call. Cancellation is a flag the loop reads before every step, so a reply stops within one
-decode step (or one prefill chunk). Callers get a `ReplyStream`: an iterator of events.
+sequence owners when slots run out), feeds one prefill chunk (several requests' chunks batched
+in one call), then advances every decoding request by one token in one batched `Model.decode`
+call. New requests join between steps. Cancellation is a flag the loop reads before every step,
+so a reply stops within one decode step (or one prefill chunk).
+
+Whoever keeps a sequence between replies (a `Conversation`) is a `SequenceOwner`: the
+scheduler asks it three things (is your sequence idle, give it up, your reply ended) and
+nothing else.
 """
 
 from __future__ import annotations
 
 import itertools
-import queue
+import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
+
+import numpy as np
 
 from localchat.engine.detokenizer import TextStream
-from localchat.engine.events import Event, FinishEvent, Reply, ReplyStats, TokenEvent
 from localchat.engine.generation_config import GenerationConfig
+from localchat.engine.prompt import fed_reply_text
 from localchat.engine.runtime import Model, Sequence
 from localchat.engine.sampler import Sampler, sample_batch
-from localchat.errors import GenerationError, LocalchatError
+from localchat.engine.stream import FinishEvent, Reply, ReplyStats, ReplyStream, TokenEvent
+from localchat.errors import EngineBusyError, GenerationError, LocalchatError, ModelFailureError
 
 _request_ids = itertools.count(1)
 
 
-class SequenceHolder(Protocol):
+@dataclass(frozen=True)
+class EndedReply:
+    """What an owner learns when its reply ends.
+
+    reply: the finished reply, or None when it failed (the sequence's state is then dropped).
+    seq: the sequence the owner now holds (None: it holds none).
+    held_text: the text of every token in `seq`'s state (None: unknown, e.g. cancelled during
+        the prompt), so the owner's next prompt can reuse the state by text prefix.
+    """
+
+    reply: Reply | None
+    seq: Sequence | None
+    held_text: str | None
+
+
+class SequenceOwner(Protocol):
     """Who keeps a sequence between replies (a conversation); the scheduler may evict it."""
 
     last_used: float
@@ -41,95 +63,9 @@ class SequenceHolder(Protocol):
         """Forget its sequence (its next reply re-prefills) and return it for removal."""
         ...
 
-    def reply_finished(self, request: Request, reply: Reply | None) -> None:
-        """Called under the scheduler lock when its reply ends (None: it failed)."""
+    def reply_ended(self, ended: EndedReply) -> None:
+        """Called under the scheduler lock when its reply ends."""
         ...
-
-
-class ReplyStream:
-    """The caller's end of one reply: iterate it for events; `cancel()` from any thread.
-
-    Iteration yields `TokenEvent`s then one `FinishEvent`; an engine failure is raised from
-    the iteration. One thread should consume it; `wait()` can be used from others.
-    """
-
-    def __init__(self, request_id: int) -> None:
-        self.id = request_id
-        self._queue: queue.SimpleQueue[Event | BaseException] = queue.SimpleQueue()
-        self._finished = threading.Event()
-        self._exhausted = False
-        self._cancelled = False
-        self._pieces: list[str] = []
-        self.reply: Reply | None = None  # set when the reply is finished
-        self.error: BaseException | None = None
-
-    def __iter__(self) -> ReplyStream:
-        return self
-
-    def __next__(self) -> Event:
-        if self._exhausted:
-            raise StopIteration
-        item = self._queue.get()
-        if isinstance(item, BaseException):
-            self._exhausted = True
-            raise item
-        if item.text:
-            self._pieces.append(item.text)
-        if isinstance(item, FinishEvent):
-            self._exhausted = True
-        return item
-
-    def __enter__(self) -> ReplyStream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if not self._finished.is_set():
-            self.cancel()
-
-    def cancel(self) -> None:
-        """Stop the reply; it ends with finish reason "cancelled" within one step.
-
-        Only sets a flag, so it is safe from any thread and from a signal handler.
-        """
-        self._cancelled = True
-
-    @property
-    def cancelled(self) -> bool:
-        """Whether cancel() was called."""
-        return self._cancelled
-
-    @property
-    def done(self) -> bool:
-        """Whether the reply has finished (or failed)."""
-        return self._finished.is_set()
-
-    @property
-    def text(self) -> str:
-        """The text consumed from the stream so far."""
-        return "".join(self._pieces)
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until the reply has finished, without consuming events; False on timeout."""
-        return self._finished.wait(timeout)
-
-    def texts(self) -> Iterator[str]:
-        """The non-empty text pieces of the reply, in order."""
-        for event in self:
-            if event.text:
-                yield event.text
-
-    def result(self) -> Reply:
-        """Consume the rest of the stream and return the finished reply."""
-        for _ in self:
-            pass
-        if self.error is not None and self.reply is None:
-            raise self.error
-        assert self.reply is not None
-        return self.reply
-
-    # -- scheduler side ----------------------------------------------------------------------
-    def _put(self, item: Event | BaseException) -> None:
-        self._queue.put(item)
 
 
 @dataclass(eq=False)
@@ -145,10 +81,12 @@ class Request:
     vocab_size: int
     seq: Sequence | None = None
     reset: bool = False
-    holder: SequenceHolder | None = None
-    prompt_text: str = ""
+    owner: SequenceOwner | None = None
+    prompt_text: str = ""  # the text of every token in seq once the prompt is in
+    held_text_before: str | None = ""  # the text seq held when the request was made
     reused_tokens: int = 0
     dropped_messages: int = 0
+    constraint: Any = None  # a grammar.TokenConstraint when the reply has a response format
     id: int = field(default_factory=lambda: next(_request_ids))
     stream: ReplyStream = field(init=False)
     # Filled in as it runs.
@@ -181,14 +119,19 @@ class Request:
 
 
 class Scheduler:
-    """Runs the replies of one model in a background thread, batching their steps."""
+    """Runs the replies of one model in a background thread, batching their steps.
 
-    def __init__(self, model: Model) -> None:
+    max_queue: requests that may wait for a slot; one more raises EngineBusyError (None: no
+    limit).
+    """
+
+    def __init__(self, model: Model, *, max_queue: int | None = None) -> None:
         self.model = model
+        self.max_queue = max_queue
         self.cond = threading.Condition()
         self._waiting: deque[Request] = deque()
         self._active: list[Request] = []
-        self._holders: dict[int, SequenceHolder] = {}  # seq id -> idle-able owner
+        self._owners: dict[int, SequenceOwner] = {}  # seq id -> idle-able owner
         self._seqs: dict[int, Sequence] = {}  # every sequence the scheduler allocated
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -200,11 +143,21 @@ class Scheduler:
         self.max_decode_batch = 0
 
     # -- caller side -------------------------------------------------------------------------
+    @property
+    def lock(self) -> threading.Condition:
+        """The lock owners hold while they change what the scheduler may ask them about."""
+        return self.cond
+
     def submit(self, request: Request) -> ReplyStream:
         """Queue a request; its events arrive on `request.stream`."""
         with self.cond:
             if self._closed:
                 raise GenerationError("the engine is closed")
+            if self.max_queue is not None and len(self._waiting) >= self.max_queue:
+                raise EngineBusyError(
+                    f"the engine is busy: {len(self._waiting)} requests are already waiting; "
+                    f"try again later"
+                )
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="localchat-scheduler", daemon=True
@@ -215,9 +168,9 @@ class Scheduler:
         return request.stream
 
     def release(self, seq: Sequence) -> None:
-        """Free a sequence (a holder closing or resetting)."""
+        """Free a sequence (an owner closing or resetting)."""
         with self.cond:
-            self._holders.pop(seq.seq_id, None)
+            self._owners.pop(seq.seq_id, None)
             self._seqs.pop(seq.seq_id, None)
             self.model.remove(seq)
 
@@ -235,7 +188,12 @@ class Scheduler:
             for seq in list(self._seqs.values()):
                 self.model.remove(seq)
             self._seqs.clear()
-            self._holders.clear()
+            self._owners.clear()
+
+    def counts(self) -> tuple[int, int]:
+        """(requests waiting for a slot, requests running) right now."""
+        with self.cond:
+            return len(self._waiting), len(self._active)
 
     def held_tokens(self) -> int:
         """Tokens held in the state by all sequences the scheduler knows."""
@@ -306,8 +264,8 @@ class Scheduler:
                     return  # wait for a running reply to end
                 request.seq = seq
                 self._seqs[seq.seq_id] = seq
-                if request.holder is not None:
-                    self._holders[seq.seq_id] = request.holder
+                if request.owner is not None:
+                    self._owners[seq.seq_id] = request.owner
             if request.reset and len(request.seq):
                 self.model.reset(request.seq)
             if self._bounded and not self._make_room(len(request.prompt_ids)):
@@ -335,13 +293,13 @@ class Scheduler:
 
     def _evict_one(self) -> bool:
         """Drop the state of the least recently used idle conversation; False if there is none."""
-        idle = [h for h in self._holders.values() if h.holds_idle_sequence()]
+        idle = [h for h in self._owners.values() if h.holds_idle_sequence()]
         if not idle:
             return False
         victim = min(idle, key=lambda h: h.last_used)
         seq = victim.evict_sequence()
         if seq is not None:
-            self._holders.pop(seq.seq_id, None)
+            self._owners.pop(seq.seq_id, None)
             self._seqs.pop(seq.seq_id, None)
             self.model.remove(seq)
         return True
@@ -356,7 +314,9 @@ class Scheduler:
     def _start(self, request: Request) -> None:
         assert request.seq is not None
         context = [*request.seq.tokens, *request.prompt_ids]
-        request.sampler = Sampler(request.config, request.vocab_size, context)
+        request.sampler = Sampler(
+            request.config, request.vocab_size, context, constraint=request.constraint
+        )
         request.text_stream = TextStream(request.tokenizer, request.stop_strings)  # type: ignore[arg-type]
         request.prefill_started_at = time.perf_counter()
         request.admitted = True
@@ -391,7 +351,7 @@ class Scheduler:
                 token = request.sampler.sample(row)
                 request.sampling_s += time.perf_counter() - t0
                 request.first_token_at = now
-                self._accept(request, token)
+                self._accept(request, token, _logprobs(request, row, token))
 
     def _decode_step(self, requests: list[Request]) -> None:
         """Advance every decoding request by one token in one batched call."""
@@ -414,11 +374,11 @@ class Scheduler:
         self.max_decode_batch = max(self.max_decode_batch, len(requests))
         share = (t2 - t1) / len(requests)
         with self.cond:
-            for request, token in zip(requests, chosen, strict=True):
+            for i, (request, token) in enumerate(zip(requests, chosen, strict=True)):
                 request.next_token = None
                 request.sampling_s += share
                 request.last_token_at = t2
-                self._accept(request, token)
+                self._accept(request, token, _logprobs(request, logits[i], token))
 
     def _fit_decode_batch(self, requests: list[Request]) -> list[Request]:
         """End the newest replies with "length" if one more token each overflows the KV cache."""
@@ -434,7 +394,9 @@ class Scheduler:
             self._finish(newest, "length")
         return requests
 
-    def _accept(self, request: Request, token: int) -> None:
+    def _accept(
+        self, request: Request, token: int, logprobs: tuple[float, Any] | None = None
+    ) -> None:
         """Handle a sampled token: stop token, text and stop strings, limits; else decode it."""
         assert request.seq is not None and request.text_stream is not None
         if token in request.stop_token_ids:
@@ -445,7 +407,8 @@ class Scheduler:
         piece = request.text_stream.add(token)
         if piece.text:
             request.pieces.append(piece.text)
-        request.stream._put(TokenEvent(request.id, token, piece.text))
+        logprob, top = logprobs if logprobs is not None else (None, None)
+        request.stream.put(TokenEvent(request.id, token, piece.text, logprob, top))
         limit = request.config.max_tokens
         if piece.stopped:
             self._finish(request, "stop")
@@ -461,7 +424,7 @@ class Scheduler:
 
     # -- ending ------------------------------------------------------------------------------
     def _finish(self, request: Request, reason: str) -> None:
-        """End a request (under the lock): flush its text, build the reply, notify its holder."""
+        """End a request (under the lock): flush its text, build the reply, notify its owner."""
         if request.finish_reason is not None:
             return
         request.finish_reason = reason
@@ -477,11 +440,10 @@ class Scheduler:
             message=request.message,
         )
         self._detach(request)
-        if request.holder is not None:
-            request.holder.reply_finished(request, reply)
-        request.stream.reply = reply
-        request.stream._finished.set()
-        request.stream._put(FinishEvent(request.id, tail, reply))
+        if request.owner is not None:
+            request.owner.reply_ended(EndedReply(reply, request.seq, self._held_text(request)))
+        request.stream.finish(reply)
+        request.stream.put(FinishEvent(request.id, tail, reply))
 
     def _fail(self, request: Request, error: BaseException) -> None:
         """End a request with an error (under the lock); its sequence's state is dropped."""
@@ -489,24 +451,35 @@ class Scheduler:
         self._detach(request)
         seq = request.seq
         if seq is not None:
-            self._holders.pop(seq.seq_id, None)
+            self._owners.pop(seq.seq_id, None)
             self._seqs.pop(seq.seq_id, None)
             try:
                 self.model.remove(seq)
             except Exception:  # noqa: BLE001 - the state is already broken; nothing to keep
                 pass
-        if request.holder is not None:
-            request.holder.reply_finished(request, None)
-        request.stream.error = error
-        request.stream._finished.set()
-        request.stream._put(error)
+        if request.owner is not None:
+            request.owner.reply_ended(EndedReply(None, None, ""))
+        request.stream.finish(None, error)
+        request.stream.put(error)
 
     def _detach(self, request: Request) -> None:
         if request in self._active:
             self._active.remove(request)
-        if request.holder is None and request.seq is not None and request.finish_reason != "error":
+        if request.owner is None and request.seq is not None and request.finish_reason != "error":
             self._seqs.pop(request.seq.seq_id, None)
             self.model.remove(request.seq)
+
+    @staticmethod
+    def _held_text(request: Request) -> str | None:
+        """The text of the tokens in the request's sequence, when it is known."""
+        if not request.admitted:  # never started: the sequence holds what it held before
+            return request.held_text_before
+        seq = request.seq
+        if seq is None or not request.prompt_end:
+            return None  # cancelled during prefill: part of a prompt is held
+        context = seq.tokens[: request.prompt_end]
+        fed = seq.tokens[request.prompt_end :]
+        return request.prompt_text + fed_reply_text(request.tokenizer, context, fed)
 
     @staticmethod
     def _stats(request: Request, reason: str) -> ReplyStats:
@@ -531,13 +504,32 @@ class Scheduler:
         )
 
 
+def _logprobs(
+    request: Request, row: Any, token: int
+) -> tuple[float, tuple[tuple[int, float], ...]] | None:
+    """(log-probability of `token`, the k best (id, log-probability)) under the raw logits
+    `row`, when the request asks for logprobs; else None."""
+    k = request.config.logprobs
+    if k is None:
+        return None
+    x = np.asarray(row, dtype=np.float64).reshape(-1)
+    top = float(x.max())
+    logz = top + math.log(float(np.exp(x - top).sum()))
+    best: tuple[tuple[int, float], ...] = ()
+    if k > 0:
+        ids = np.argpartition(-x, k - 1)[:k] if k < x.shape[0] else np.arange(x.shape[0])
+        ids = ids[np.argsort(-x[ids], kind="stable")]
+        best = tuple((int(i), float(x[i]) - logz) for i in ids)
+    return float(x[token]) - logz, best
+
+
 def _as_generation_error(exc: Exception) -> LocalchatError:
-    """A model failure as a one-line GenerationError (TVM errors carry long native traces)."""
+    """A model failure as a one-line ModelFailureError (TVM errors carry long native traces)."""
     if isinstance(exc, LocalchatError):
         return exc
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     message = f"the model failed: {type(exc).__name__}" + (f": {first}" if first else "")
-    error = GenerationError(message)
+    error = ModelFailureError(message)
     error.__cause__ = exc
     return error
 
@@ -548,19 +540,4 @@ def sampling_share(scheduler: Scheduler) -> float:
     return scheduler.sampling_seconds / total if total else 0.0
 
 
-def fed_reply_text(tokenizer: object, context_ids: list[int], reply_ids: list[int]) -> str:
-    """The text of `reply_ids` as it reads after `context_ids` (keeps a SentencePiece model's
-    leading space, which decoding the reply alone would drop)."""
-    decode = tokenizer.decode  # type: ignore[attr-defined]
-    if not reply_ids:
-        return ""
-    if context_ids:
-        anchor = context_ids[-1:]
-        before = decode(anchor)
-        after = decode(anchor + reply_ids)
-        if after.startswith(before):
-            return after[len(before) :]
-    return decode(reply_ids)
-
-
-__all__ = ["ReplyStream", "Request", "Scheduler", "fed_reply_text", "sampling_share"]
+__all__ = ["EndedReply", "Request", "Scheduler", "SequenceOwner", "sampling_share"]

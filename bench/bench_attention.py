@@ -1,6 +1,6 @@
-"""Per-layer attention kernel times on the CPU: localchat.engine.attention_cpu vs TVM's kernels.
+"""Per-layer attention kernel times on the CPU: localchat.engine.kernels.attention vs TVM's.
 
-    python bench/bench_attention_cpu.py [--threads N] [--heads 9,3] [--head-dim 64] [--quick]
+    python bench/bench_attention.py [--threads N] [--heads 9,3] [--head-dim 64] [--quick]
 
 Shape defaults to SmolLM2-135M (9 query heads, 3 KV heads, head_dim 64, float32, page size 16).
 Each row times one kernel call as the KV-cache runtime makes it for one layer:
@@ -35,7 +35,7 @@ def main() -> None:
     import tvm
     from tvm.relax.frontend.nn.llm import kv_cache as tvm_kv
 
-    from localchat.engine import attention_cpu as ours
+    from localchat.engine.kernels import attention as ours
 
     h_q, h_kv = (int(x) for x in args.heads.split(","))
     d = args.head_dim

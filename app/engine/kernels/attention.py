@@ -40,7 +40,9 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedK
 from tvm.script import tirx as T
 from tvm.target import Target
 
-LANES = 16  # float32 lanes of one AVX-512 register; also the query rows per prefill work item
+from localchat.engine.kernels.common import LANES, scheduled, vec_width
+
+# LANES (16 float32 lanes of one AVX-512 register) is also the query rows per prefill work item.
 KEY_BLOCK = 64  # keys per online-softmax step in prefill
 DECODE_KEY_BLOCK = 16  # keys per online-softmax step in decode
 DECODE_SPLITS = 4  # most KV ranges one decode sequence is split into
@@ -65,13 +67,6 @@ def _exp2(x):
         p = p * y + T.float32(c)
     two_n = T.reinterpret("float32", T.shift_left(T.Cast("int32", n) + 127, 23))
     return p * two_n
-
-
-def _vec_width(d: int) -> int:
-    for w in (16, 8, 4, 2, 1):
-        if d % w == 0:
-            return w
-    return 1
 
 
 def _row_tile(rows: int, vecs_per_row: int) -> int:
@@ -118,7 +113,7 @@ def _prefill_macros(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str, paged:
     key_tile = max(1, min(16, TARGET_ACCUMULATORS // rv))
     while KEY_BLOCK % key_tile:
         key_tile -= 1
-    vw = _vec_width(d_v)
+    vw = vec_width(d_v)
     dvv = d_v // vw
     row_tile = _row_tile(rows, dvv)
     f32 = "float32"
@@ -319,7 +314,6 @@ def attention_prefill_ragged_cpu(
         rope_theta: T.float32,
         sm_scale: T.float32,
     ):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         batch_size = T.int32()
         qo_len = T.int32()
         kv_len = T.int32()
@@ -378,7 +372,7 @@ def attention_prefill_ragged_cpu(
                             None,
                         )
 
-    return batch_prefill_ragged_kv
+    return scheduled(batch_prefill_ragged_kv)
 
 
 def attention_prefill_paged_cpu(
@@ -412,7 +406,6 @@ def attention_prefill_paged_cpu(
         rope_theta: T.float32,
         sm_scale: T.float32,
     ):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         batch_size = T.int32()
         total_len = T.int32()
         nnz_pages = T.int32()
@@ -478,7 +471,7 @@ def attention_prefill_paged_cpu(
                             page_values,
                         )
 
-    return batch_prefill_paged_kv_cpu
+    return scheduled(batch_prefill_paged_kv_cpu)
 
 
 # --------------------------------------------------------------------------------------------
@@ -495,7 +488,7 @@ def attention_decode_paged_cpu(
     compiled for one page size (16 by default). Rope arguments are ignored.
     """
     group = _check_heads(h_kv, h_q)
-    vw = _vec_width(d)
+    vw = vec_width(d)
     nv = d // vw
     blk = DECODE_KEY_BLOCK
     n_split = DECODE_SPLITS
@@ -538,7 +531,6 @@ def attention_decode_paged_cpu(
         rope_theta: T.float32,
         sm_scale: T.float32,
     ):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         B = T.int32()
         nnz_pages = T.int32()
         max_num_pages = T.int32()
@@ -682,7 +674,7 @@ def attention_decode_paged_cpu(
                         output[bh // h_kv, (bh % h_kv) * group + g, c] = T.Cast(dtype, T.float32(0))
                     lse[bh // h_kv, (bh % h_kv) * group + g] = T.float32(EMPTY_LSE)
 
-    return batch_decode_paged_kv
+    return scheduled(batch_decode_paged_kv)
 
 
 # --------------------------------------------------------------------------------------------
@@ -697,7 +689,6 @@ def merge_state_inplace_cpu(h: int, d: int, dtype: str) -> tirx.PrimFunc:
 
     @T.prim_func(private=True)
     def merge_state_inplace_cpu(v: T.handle, s: T.handle, v_other: T.handle, s_other: T.handle):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         N = T.int32()
         V = T.match_buffer(v, (N, h, d), dtype)
         S = T.match_buffer(s, (N, h), "float32")
@@ -723,7 +714,7 @@ def merge_state_inplace_cpu(h: int, d: int, dtype: str) -> tirx.PrimFunc:
                         )
                     S[n, hh] = T.log2(st[1] + st[2]) + st[0]
 
-    return merge_state_inplace_cpu
+    return scheduled(merge_state_inplace_cpu)
 
 
 # --------------------------------------------------------------------------------------------

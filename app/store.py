@@ -8,18 +8,18 @@ Layout (``LOCALCHAT_HOME`` puts everything under one directory)::
     <cache>/downloads/                                           source files of pulls
     <cache>/libs/                                                compiled-library cache
 
+The model-directory format itself (config schema, library names) is `localchat.engine.model_dir`.
+
 A model directory is built in a hidden sibling (``.staging-*``) and renamed into place, so a
 half-finished pull is never listed; leftovers of a killed pull are removed by the next one.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,14 +27,10 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 
-from localchat.errors import ModelNotFoundError, StoreError
+from localchat.engine import model_dir as md
+from localchat.errors import LocalchatError, ModelConfigError, ModelNotFoundError, StoreError
+from localchat.paths import cache_dir, data_dir
 
-MODEL_CONFIG = "localchat-config.json"
-HOME_ENV = "LOCALCHAT_HOME"
-APP_NAME = "localchat"
-LIB_SUFFIXES = (".so", ".dylib", ".dll", ".tar", ".wasm")
-# `<target key>-<16 hex library key>`: the name localchat.engine.compile gives a library
-_LIBRARY_KEY = re.compile(r"^(?P<target>.+)-[0-9a-f]{16}$")
 _STAGING = ".staging-"
 _TRASH = ".trash-"
 
@@ -75,7 +71,17 @@ class StoredModel:
     size_bytes: int
     config: dict[str, Any]
     libraries: tuple[str, ...] = ()  # file names under lib/
+    problems: tuple[md.FileProblem, ...] = ()  # what is damaged (empty: nothing found)
+    repair: str = ""  # the command that repairs it
 
+    @property
+    def damaged(self) -> bool:
+        """Whether a file is missing, truncated, unreadable or altered, or the config is bad."""
+        return bool(self.problems)
+
+    def damage_message(self) -> str:
+        """One line: the damaged file and the command that repairs the model."""
+        return md.damage_message(self.ref, list(self.problems), self.repair)
 
     @property
     def ref(self) -> str:
@@ -88,68 +94,12 @@ class StoredModel:
         return bool(self.targets)
 
 
-def read_model_config(path: Path) -> dict[str, Any]:
-    """The localchat-config.json of a model directory, or StoreError if unreadable."""
-    try:
-        data = json.loads((Path(path) / MODEL_CONFIG).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise StoreError(f"cannot read {Path(path) / MODEL_CONFIG}: {exc}") from None
-    if not isinstance(data, dict):
-        raise StoreError(f"{Path(path) / MODEL_CONFIG} is not a JSON object")
-    return data
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON to `path` through a temporary file and a rename."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def library_files(model_dir: Path) -> tuple[str, ...]:
-    """File names of the compiled libraries in a model directory's lib/ folder."""
-    lib = Path(model_dir) / "lib"
-    if not lib.is_dir():
-        return ()
-    return tuple(sorted(f.name for f in lib.iterdir()
-                        if f.is_file() and not f.name.startswith(".") and f.suffix in LIB_SUFFIXES))
-
-
-def library_target(file_name: str) -> str:
-    """The target key of a library file (`llvm-znver4-0123456789abcdef.so` -> `llvm-znver4`)."""
-    stem = Path(file_name).stem
-    match = _LIBRARY_KEY.match(stem)
-    return match.group("target") if match else stem
-
-
-def library_targets(model_dir: Path) -> tuple[str, ...]:
-    """Target keys of the compiled libraries in a model directory's lib/ folder."""
-    return tuple(sorted({library_target(f) for f in library_files(model_dir)}))
-
-
 class Store:
     """The model store rooted at the platform data/cache dirs, or at `home`/LOCALCHAT_HOME."""
 
     def __init__(self, home: Path | str | None = None) -> None:
-        home = home if home is not None else os.environ.get(HOME_ENV) or None
-        if home is not None:
-            root = Path(home).expanduser().resolve()
-            self.data_dir = root
-            self.cache_dir = root / "cache"
-        else:
-            import platformdirs
-
-            self.data_dir = Path(platformdirs.user_data_dir(APP_NAME, appauthor=False))
-            self.cache_dir = Path(platformdirs.user_cache_dir(APP_NAME, appauthor=False))
+        self.data_dir = data_dir(home)
+        self.cache_dir = cache_dir(home)
 
     # paths -----------------------------------------------------------------------------------
     @property
@@ -164,7 +114,7 @@ class Store:
 
     @property
     def libs_dir(self) -> Path:
-        """The cache of compiled libraries (shared by all models)."""
+        """The cache of compiled libraries (shared by all models; see model_dir)."""
         return self.cache_dir / "libs"
 
     def model_dir(self, name: str, quantization: str) -> Path:
@@ -174,17 +124,33 @@ class Store:
     # locking ---------------------------------------------------------------------------------
     def _lock(self, key: str) -> FileLock:
         locks = self.models_dir / ".locks"
-        locks.mkdir(parents=True, exist_ok=True)
+        try:
+            locks.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot write to the store {self.models_dir}: "
+                             f"{exc.strerror or exc}") from None
         # One FileLock object per path and process: re-entrant in a thread, exclusive across
         # threads (thread-local state) and processes (flock).
         return FileLock(str(locks / f"{key}.lock"), is_singleton=True)
 
     @contextmanager
-    def lock(self, name: str, quantization: str, timeout: float = -1) -> Iterator[None]:
-        """Hold the lock of one model; waits up to `timeout` seconds (-1: forever)."""
+    def lock(self, name: str, quantization: str, timeout: float = -1,
+             on_wait: Callable[[], None] | None = None) -> Iterator[None]:
+        """Hold the lock of one model; waits up to `timeout` seconds (-1: forever), calling
+        `on_wait` first when another process holds it."""
         lock = self._lock(f"{safe_name(name)}@{safe_name(quantization)}")
         try:
-            lock.acquire(timeout=timeout)
+            try:
+                lock.acquire(timeout=0)
+            except Timeout:
+                if timeout == 0:
+                    raise
+                if on_wait is not None:
+                    on_wait()
+                lock.acquire(timeout=timeout)
+        except PermissionError as exc:
+            raise StoreError(f"cannot lock {name}:{quantization} in {self.models_dir}: "
+                             f"{exc.strerror or exc}") from None
         except Timeout:
             raise StoreError(
                 f"{name}:{quantization} is being pulled or removed by another localchat process"
@@ -195,33 +161,80 @@ class Store:
             lock.release()
 
     # reading ---------------------------------------------------------------------------------
-    def _model_at(self, path: Path) -> StoredModel | None:
-        if not (path / MODEL_CONFIG).is_file():
-            return None
+    def _repair_command(self, path: Path, name: str, quantization: str) -> str:
         try:
-            config = read_model_config(path)
-        except StoreError:
-            return None
+            recorded = (md.read_manifest(path) or {}).get("repair")
+        except (ModelConfigError, OSError):
+            recorded = None
+        return recorded if isinstance(recorded, str) and recorded else (
+            f"localchat pull {name} --quant {quantization}")
+
+    def _model_at(self, path: Path, hashes: bool = False) -> StoredModel | None:
+        """The model at `path` (damaged ones too, with their problems); None when `path` is
+        not a model directory at all."""
+        try:
+            if not path.is_dir():
+                return None
+            problems = md.check_files(path, hashes=hashes)
+            config: dict[str, Any] = {}
+            try:
+                config = md.validate_config(md.read_config(path), md.CONFIG_FILE)
+            except LocalchatError as exc:
+                if not any(p.path == md.CONFIG_FILE for p in problems):
+                    problems.insert(0, md.FileProblem(md.CONFIG_FILE, "damaged",
+                                                      str(exc).rpartition(": ")[2]))
+                try:
+                    config = md.read_config(path)
+                except LocalchatError:
+                    config = {}
+            targets, libraries, size = (md.library_targets(path), md.library_files(path),
+                                        dir_size(path))
+        except OSError as exc:  # an unreadable model never breaks the listing of the others
+            problems = [md.FileProblem(".", "unreadable", exc.strerror or str(exc))]
+            config, targets, libraries, size = {}, (), (), 0
+        manifest: dict[str, Any] = {}
+        try:
+            manifest = md.read_manifest(path) or {}
+        except (LocalchatError, OSError):
+            pass
+        name = str(config.get("name") or manifest.get("name")
+                   or path.parent.name.replace("--", "/"))
+        quantization = str(config.get("quantization") or manifest.get("quantization")
+                           or path.name)
         return StoredModel(
-            name=str(config.get("name") or path.parent.name),
-            quantization=str(config.get("quantization") or path.name),
-            path=path,
-            targets=library_targets(path),
-            size_bytes=dir_size(path),
-            config=config,
-            libraries=library_files(path),
+            name=name, quantization=quantization, path=path, targets=targets,
+            size_bytes=size, config=config, libraries=libraries, problems=tuple(problems),
+            repair=self._repair_command(path, name, quantization),
         )
 
+    def verify(self, model: StoredModel) -> StoredModel:
+        """`model` checked again, hashes included (what `pull` and `doctor --verify` do)."""
+        return self._model_at(model.path, hashes=True) or model
+
     def models(self) -> list[StoredModel]:
-        """Every complete model in the store, sorted by name then quantization."""
+        """Every model in the store, damaged ones included (see `StoredModel.problems`),
+        sorted by name then quantization; unfinished pulls (hidden folders) are not listed."""
         found: list[StoredModel] = []
-        if not self.models_dir.is_dir():
+        try:
+            name_dirs = sorted(self.models_dir.iterdir()) if self.models_dir.is_dir() else []
+        except OSError:
             return found
-        for name_dir in sorted(self.models_dir.iterdir()):
-            if name_dir.name.startswith(".") or not name_dir.is_dir():
+        for name_dir in name_dirs:
+            if name_dir.name.startswith("."):
                 continue
-            for quant_dir in sorted(name_dir.iterdir()):
-                if quant_dir.name.startswith(".") or not quant_dir.is_dir():
+            try:
+                if not name_dir.is_dir():
+                    continue
+                quant_dirs = sorted(name_dir.iterdir())
+            except OSError as exc:
+                found.append(StoredModel(
+                    name=name_dir.name.replace("--", "/"), quantization="?", path=name_dir,
+                    targets=(), size_bytes=0, config={},
+                    problems=(md.FileProblem(".", "unreadable", exc.strerror or str(exc)),),
+                    repair=f"sudo chmod -R a+rX {name_dir}"))
+                continue
+            for quant_dir in quant_dirs:
+                if quant_dir.name.startswith("."):
                     continue
                 model = self._model_at(quant_dir)
                 if model is not None:
@@ -250,7 +263,7 @@ class Store:
         listing them. Raises ModelNotFoundError with close matches when nothing fits.
         """
         path = Path(name_or_path).expanduser()
-        if (path / MODEL_CONFIG).is_file():
+        if md.is_model_dir(path):
             return path.resolve()
         ref = str(name_or_path)
         try:
@@ -258,16 +271,16 @@ class Store:
         except StoreError:
             matches = []
         if len(matches) == 1:
-            return matches[0].path
+            return _healthy(matches[0]).path
         if len(matches) > 1:
             for q in prefer:
                 for m in matches:
                     if m.quantization == q:
-                        return m.path
+                        return _healthy(m).path
             refs = ", ".join(m.ref for m in matches)
             raise ModelNotFoundError(f"{ref!r} is stored in several quantizations: {refs}")
         if path.exists():
-            raise ModelNotFoundError(f"{path} is not a model directory (no {MODEL_CONFIG})")
+            raise ModelNotFoundError(f"{path} is not a model directory (no {md.CONFIG_FILE})")
         from localchat.recipes import close_matches
 
         names = {m.name for m in self.models()} | {m.ref for m in self.models()}
@@ -275,7 +288,8 @@ class Store:
         hint = f" Did you mean: {', '.join(near)}?" if near else ""
         raise ModelNotFoundError(
             f"no model {ref!r} in the store ({self.models_dir}).{hint} "
-            f"Get it with `localchat pull {ref.split(':')[0]}`."
+            f"Get it with `localchat pull {ref.split(':')[0]}`.",
+            suggestions=near,
         )
 
     # writing ---------------------------------------------------------------------------------
@@ -290,8 +304,51 @@ class Store:
             if entry.name.startswith(".") and bare.startswith((f"{_STAGING}{q}-", f"{_TRASH}{q}-")):
                 shutil.rmtree(entry, ignore_errors=True)
 
+    def stale_leftovers(self) -> list[Path]:
+        """Hidden staging/trash folders of killed pulls, any model's; never a live pull's (whose
+        model lock is held)."""
+        out: list[Path] = []
+        try:
+            name_dirs = [d for d in self.models_dir.iterdir()
+                         if not d.name.startswith(".") and d.is_dir()]
+        except OSError:
+            return out
+        for name_dir in name_dirs:
+            try:
+                entries = [e for e in name_dir.iterdir() if e.name.startswith(".")]
+            except OSError:
+                continue
+            for entry in entries:
+                bare = entry.name.lstrip(".")
+                for prefix in (_STAGING, _TRASH):
+                    if bare.startswith(prefix[1:]):
+                        quant = bare[len(prefix) - 1:].partition(".")[0].rpartition("-")[0]
+                        if quant and not self._held(name_dir.name, quant):
+                            out.append(entry)
+                        break
+        return out
+
+    def _held(self, name: str, quantization: str) -> bool:
+        """Whether another process holds a model's lock (so its leftovers are a live pull's)."""
+        try:
+            with self.lock(name, quantization, timeout=0):
+                return False
+        except StoreError:
+            return True
+
+    def remove_stale_leftovers(self) -> list[tuple[Path, int]]:
+        """Delete what `stale_leftovers` finds; returns each folder and the bytes it held."""
+        removed = []
+        for entry in self.stale_leftovers():
+            size = dir_size(entry)
+            shutil.rmtree(entry, ignore_errors=True)
+            if not entry.exists():
+                removed.append((entry, size))
+        return removed
+
     @contextmanager
-    def staging(self, name: str, quantization: str, *, replace: bool = False) -> Iterator[Path]:
+    def staging(self, name: str, quantization: str, *, replace: bool = False,
+                repair: str | None = None) -> Iterator[Path]:
         """Yield an empty temporary directory; on success it becomes the model directory.
 
         The model's lock is held throughout. The directory must contain localchat-config.json
@@ -302,14 +359,17 @@ class Store:
         with self.lock(name, quantization):
             if final.exists() and not replace:
                 raise StoreError(f"{name}:{quantization} is already in the store at {final}")
-            final.parent.mkdir(parents=True, exist_ok=True)
+            final.parent.mkdir(mode=md.DIR_MODE, parents=True, exist_ok=True)
             self._clean_leftovers(final.parent, quantization)
             tmp = Path(tempfile.mkdtemp(prefix=f"{_STAGING}{final.name}-", dir=final.parent))
             try:
                 yield tmp
-                if not (tmp / MODEL_CONFIG).is_file():
+                if not md.is_model_dir(tmp):
                     raise StoreError(f"refusing to register {name}:{quantization}: "
-                                     f"no {MODEL_CONFIG} was written")
+                                     f"no {md.CONFIG_FILE} was written")
+                md.write_manifest(tmp, name=name, quantization=quantization,
+                                  repair=repair or f"localchat pull {name} --quant {quantization}")
+                md.share_modes(tmp)
                 self._commit(tmp, final)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -332,9 +392,10 @@ class Store:
         """Install a compiled library as `lib/<library_name>.so` of a stored model, atomically."""
         with self.lock(name, quantization):
             model = self.model_dir(name, quantization)
-            if not (model / MODEL_CONFIG).is_file():
+            if not md.is_model_dir(model):
                 raise ModelNotFoundError(f"no model {name}:{quantization} in the store")
-            return install_library(model, library_name, library)
+            suffix = Path(library).suffix if Path(library).suffix in md.LIB_SUFFIXES else ".so"
+            return md.install_library(model, library, f"{safe_name(library_name)}{suffix}")
 
     def remove(self, ref: str, quantization: str | None = None) -> list[StoredModel]:
         """Delete the models matching `ref` (all quantizations of a bare name); returns them."""
@@ -356,30 +417,13 @@ class Store:
         return matches
 
 
-def install_library(model_dir: Path, name: str, library: Path) -> Path:
-    """Put `library` at `model_dir/lib/<name><suffix>` (hard link or copy, then a rename).
-
-    `name` is the file stem the runtime looks for: the engine's `<target key>-<library key>`.
-    """
-    lib_dir = Path(model_dir) / "lib"
-    lib_dir.mkdir(exist_ok=True)
-    suffix = Path(library).suffix if Path(library).suffix in LIB_SUFFIXES else ".so"
-    dest = lib_dir / f"{safe_name(name)}{suffix}"
-    if Path(library).resolve() == dest.resolve():
-        return dest
-    fd, tmp = tempfile.mkstemp(dir=lib_dir, prefix=".lib-", suffix=suffix)
-    os.close(fd)
-    try:
-        try:  # the compile cache and the store usually share a disk: no second copy
-            os.unlink(tmp)
-            os.link(library, tmp)
-        except OSError:
-            shutil.copyfile(library, tmp)
-        os.replace(tmp, dest)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return dest
+def _healthy(model: StoredModel) -> StoredModel:
+    """`model`, unless it is damaged: then the one-line error naming the file and the repair.
+    A bad library alone does not stop a run: the runtime never loads it and builds it again."""
+    problems = [p for p in model.problems if not p.path.startswith(md.LIB_DIR + "/")]
+    if problems:
+        raise ModelConfigError(md.damage_message(model.ref, problems, model.repair))
+    return model
 
 
 def _fsync_dir(path: Path) -> None:

@@ -1,0 +1,54 @@
+"""`localchat convert`: build a model directory from an HF folder (and compile it)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from localchat.cli.common import log
+from localchat.errors import LocalchatError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("convert", help="build a model directory from an HF folder")
+    p.add_argument("source", help="HF model folder (config.json + weights + tokenizer)")
+    p.add_argument("--quant", default="q4f32_1", help="q0f32, q0f16, q4f32_1 or q4f16_1")
+    p.add_argument("--output", "-o", required=True, help="model directory to create")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, metal or vulkan")
+    p.add_argument("--context-window", type=int, default=None)
+    p.add_argument("--prefill-chunk-size", type=int, default=None)
+    p.add_argument("--no-compile", action="store_true", help="convert only; compile on first run")
+    p.add_argument("--force", action="store_true", help="replace an existing model directory")
+    p.set_defaults(handler=cmd_convert)
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from localchat.engine import model_dir as md
+    from localchat.engine.convert import convert_model, has_tokenizer, read_hf_config
+
+    source, output = Path(args.source), Path(args.output)
+    if output.exists() and not output.is_dir():
+        raise LocalchatError(f"--output {output} is a file; it names the model directory to "
+                             f"create")
+    if md.is_model_dir(output) and not args.force:
+        raise LocalchatError(f"{output} is already a model directory; add --force to replace it")
+    read_hf_config(source)  # a folder that is no model fails on that first
+    if not has_tokenizer(source):
+        raise LocalchatError(f"{source} has no tokenizer (tokenizer.json, tokenizer.model or "
+                             f"the RWKV World vocabulary); `localchat run` needs one")
+    out = convert_model(
+        source,
+        output,
+        args.quant,
+        prefill_chunk_size=args.prefill_chunk_size,
+        context_window_size=args.context_window,
+        log=log,
+    )
+    if not args.no_compile:
+        from localchat.engine.runtime import Model
+
+        model = Model(out, args.device, log=log)
+        done = "compiled" if model.library.compiled else "found compiled"
+        log(f"{done} {model.library.path.name} ({model.compile_seconds:.1f} s)")
+    print(out)
+    return 0

@@ -1,0 +1,77 @@
+"""`localchat pull NAME | HF_REPO_ID | ./hf-folder | ./file.gguf`: fetch a model, convert and
+compile it for the device, into the local store.
+
+Progress and notes go to stderr (rich); the one summary line goes to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from localchat.cli.common import auto_device_reason, console, open_store, step
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "pull",
+        help="download a model and build it for this device",
+        description="Fetch a model (a name from `localchat list --available`, a hub repo "
+        "org/name[@revision], a local HF folder or a .gguf file), convert it to the chosen "
+        "quantization and compile it for the device, into the local store.",
+    )
+    p.add_argument("model", metavar="NAME", help="model name, HF repo id, HF folder or .gguf file")
+    p.add_argument("--quant", help="quantization (default: the recipe's for the device kind, "
+                   "q4f16_1 on GPUs, q4f32_1 on CPUs)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, metal or vulkan")
+    p.add_argument("--force", action="store_true", help="pull and build again even if stored")
+    p.set_defaults(handler=cmd_pull)
+
+
+def with_steps(hooks: Any, console: Any) -> Any:
+    """The hooks, with conversion and compilation shown as steps with a spinner."""
+    convert, compile_ = hooks.convert, hooks.compile
+
+    def converting(source: Path, output_dir: Path, quantization: str, **kwargs: Any) -> Any:
+        with step(console, f"convert to {quantization}"):
+            return convert(source, output_dir, quantization, **kwargs)
+
+    def compiling(model_dir: Path) -> Path:
+        with step(console, f"compile for {hooks.target_key}"):
+            return compile_(model_dir)
+
+    return replace(hooks, convert=converting,
+                   compile=compiling if compile_ is not None else None)
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    """`localchat pull NAME | HF_REPO_ID | ./hf-folder | ./file.gguf`."""
+    from localchat.downloader.progress import RichProgress
+    from localchat.downloader.pull import engine_hooks, parse_source, pull
+
+    parse_source(args.model)  # an unknown name fails before the engine (TVM) is loaded
+    out = console()
+
+    def log(message: str) -> None:
+        out.print(message, style="dim", markup=False, highlight=False)
+
+    if args.quant:
+        from localchat.engine.quantization import get_quant_mode
+
+        get_quant_mode(args.quant)  # an unknown mode fails before any download
+    store = open_store()
+    hooks = engine_hooks(args.device, store, log)
+    picked = f"device: {hooks.device_name} ({hooks.target_key})"
+    if args.device == "auto":
+        reason = auto_device_reason()
+        picked += " picked by --device auto" + (f" ({reason})" if reason else "")
+    out.print(picked, markup=False, highlight=False)
+    result = pull(args.model, hooks=with_steps(hooks, out), store=store,
+                  quantization=args.quant, force=args.force, progress=RichProgress(out),
+                  log=log)
+    for note in result.notes:
+        log(note)
+    print(result.summary())
+    return 0

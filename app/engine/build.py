@@ -1,0 +1,102 @@
+"""The engine's build steps, as `pull` and `convert` call them: check a source's architecture,
+convert an HF folder or a GGUF file into a model directory, and compile its library for a device.
+
+The orchestration around them (what to download, the store, locking, progress) is
+`localchat.downloader.pull`'s; these steps know nothing of the hub or the store.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from localchat.engine import model_dir as md
+from localchat.errors import ModelConfigError
+
+Log = Callable[[str], None]
+
+
+def check_architecture(hf_config: dict[str, Any]) -> str:
+    """The engine's architecture name for an HF config.json, or UnsupportedModelError."""
+    from localchat.engine.models import detect_architecture
+
+    return detect_architecture(hf_config).name
+
+
+def gguf_weights_dtype(quantization: str) -> str:
+    """Precision of the intermediate weights of a GGUF import: float32 only for q0f32."""
+    return "float32" if quantization == "q0f32" else "float16"
+
+
+def is_gguf(source: Path) -> bool:
+    """Whether `source` is a GGUF file (by name)."""
+    return source.is_file() and source.suffix.lower() == ".gguf"
+
+
+def convert_source(
+    source: Path,
+    output_dir: Path,
+    quantization: str,
+    *,
+    context_window_size: int | None = None,
+    source_info: dict[str, Any] | None = None,
+    scratch_dir: Path | None = None,
+    log: Log | None = None,
+) -> Path:
+    """Build a model directory from an HF folder or a .gguf file (imported via a temporary HF
+    folder under `scratch_dir`)."""
+    from localchat.engine.convert import convert_model
+
+    source = Path(source)
+    if not is_gguf(source):
+        return convert_model(source, output_dir, quantization,
+                             context_window_size=context_window_size,
+                             source_info=source_info, log=log)
+    from localchat.engine.gguf import gguf_to_hf_folder
+
+    if scratch_dir is not None:
+        scratch_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".gguf-import-", dir=scratch_dir) as tmp:
+        folder = gguf_to_hf_folder(source, Path(tmp), log=log,
+                                   dtype=gguf_weights_dtype(quantization))
+        return convert_model(folder, output_dir, quantization,
+                             context_window_size=context_window_size,
+                             source_info=source_info, log=log)
+
+
+def inspect_gguf(path: Path) -> dict[str, Any]:
+    """The HF config.json a .gguf file amounts to (raises for what cannot be imported)."""
+    from localchat.engine.gguf import inspect_gguf as inspect
+
+    return inspect(path)
+
+
+def model_parts(model_dir: Path) -> tuple[Any, Any, Any]:
+    """(architecture, model config, quantization mode) of a model directory."""
+    from localchat.engine.models import get_architecture
+    from localchat.engine.quantization import get_quant_mode
+
+    meta = md.read_config(model_dir)  # only these three keys matter; a pull may still be adding
+    for key in ("architecture", "model_config", "quantization"):
+        if key not in meta:
+            raise ModelConfigError(f"{model_dir}: {md.CONFIG_FILE} has no {key!r}")
+    arch = get_architecture(meta["architecture"])
+    return arch, arch.config_from_dict(meta["model_config"]), get_quant_mode(meta["quantization"])
+
+
+def library_stem(model_dir: Path, target: Any) -> str:
+    """The file stem under `model_dir/lib/` of the library the runtime loads on `target`."""
+    from localchat.engine.compile import library_file_name
+
+    return Path(library_file_name(*model_parts(model_dir), target)).stem
+
+
+def compile_model(model_dir: Path, target: Any, *, lib_dir: Path | None = None,
+                  log: Log | None = None) -> Path:
+    """Compile a model directory's library for `target` into the library cache (or `lib_dir`,
+    a store's own cache); returns its path."""
+    from localchat.engine.compile import compile_library
+
+    return compile_library(*model_parts(model_dir), target, lib_dir, log=log).path

@@ -1,0 +1,9 @@
+"""Hand-written, already-scheduled TIR kernels (the compile pipeline leaves them as written).
+
+- `common`: shared constants and helpers (weight packing, vector widths, thread counts, the
+  `scheduled` function attributes, the AVX-512 probe, the GEMV's input transposition).
+- `matmul`: CPU linear layers (float or 4-bit weights) for prefill; one-row calls take the GEMV.
+- `gemv`: the decode GEMV (4-bit weights unpacked in registers, or float), Llama and RWKV alike.
+- `attention`: CPU attention over TVM's paged KV cache, and the KV cache that uses it.
+- `wkv`: RWKV-4's token shift, WKV scan (CPU and GPU) and the copy kernels of its RNN state.
+"""

@@ -1,0 +1,99 @@
+"""Constants and helpers shared by the hand-written TIR kernels: weight packing, vector widths,
+thread counts, the function attributes that mark a kernel as scheduled, the AVX-512 probe and the
+input transposition of the 4-bit GEMV.
+
+Function attributes: TVM 0.27 reads `tirx.noalias` (pointer arguments become `noalias` in the
+generated LLVM IR / `__restrict__` in CUDA) and `tirx.is_scheduled` (dlight and the default
+pipelines leave the function alone). The older `tir.*` spellings are accepted and silently
+ignored, so every kernel gets its attributes from `scheduled` (tests/test_kernel_attrs.py checks
+that they take effect).
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+from tvm.target import Target
+
+from localchat.engine.quantization import GROUP_SIZE, NIBBLES_PER_WORD
+
+__all__ = [
+    "GPU_COPY_THREADS",
+    "GPU_THREADS",
+    "GROUP_SIZE",
+    "LANES",
+    "NIBBLES_PER_WORD",
+    "SCHEDULED_ATTRS",
+    "WORDS_PER_GROUP",
+    "check_k",
+    "divisor",
+    "has_avx512",
+    "scheduled",
+    "transpose_x",
+    "vec_width",
+]
+
+WORDS_PER_GROUP = GROUP_SIZE // NIBBLES_PER_WORD  # 4 uint32 words hold one group of 32 nibbles
+LANES = 16  # float32 lanes of one AVX-512 register
+GPU_THREADS = 64  # threads per block of the GPU scan kernel
+GPU_COPY_THREADS = 256  # threads per block of the GPU state-copy kernels
+
+# The attributes every hand-scheduled kernel carries, in the spelling TVM 0.27 honours.
+SCHEDULED_ATTRS = {"tirx.noalias": True, "tirx.is_scheduled": True}
+
+
+def scheduled(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """`func` marked as already scheduled (no dlight / default schedule) with no-alias buffers."""
+    return func.with_attrs(SCHEDULED_ATTRS)
+
+
+def check_k(k: int) -> None:
+    """A 4-bit reduction must hold whole quantization groups."""
+    if k % GROUP_SIZE != 0:
+        raise ValueError(f"reduction size {k} is not a multiple of {GROUP_SIZE}")
+
+
+def divisor(total: int, options: tuple[int, ...]) -> int:
+    """The first of `options` that divides `total`, else 1."""
+    for d in options:
+        if total % d == 0:
+            return d
+    return 1
+
+
+def vec_width(n: int) -> int:
+    """The widest vector (16, 8, 4, 2 or 1 lanes) that divides `n`."""
+    return divisor(n, (LANES, 8, 4, 2))
+
+
+def has_avx512(target: Target) -> bool:
+    """Whether `target` is an llvm CPU target with AVX-512F (the GEMV's table-lookup unpack)."""
+    if target.kind.name != "llvm":
+        return False
+    from tvm.target import codegen
+
+    try:
+        return bool(codegen.llvm_cpu_has_features(["avx512f"], target))
+    except Exception:  # an LLVM without x86, or a CPU it does not know
+        return False
+
+
+def transpose_x(k: int, with_sums: bool):
+    """The macro `(x, xp, xs, m)` that prepares x [m, k] for the 4-bit GEMV: xp[r, p, w] =
+    x[r, 8 w + p] in float32, so nibble p of 16 consecutive words meets 16 contiguous values of
+    x, and, `with_sums`, xs[r, w] = sum_p x[r, 8 w + p] (through which the generic GEMV applies
+    the -8 offset of every nibble once per word instead of once per weight)."""
+    kw = k // NIBBLES_PER_WORD
+    f32 = "float32"
+
+    @T.macro
+    def macro(x, xp, xs, m):
+        for r, wd in T.grid(m, kw):
+            if with_sums:
+                xs[r, wd] = T.float32(0)
+            for p in range(NIBBLES_PER_WORD):
+                xp[r, p, wd] = T.Cast(f32, x[r, wd * NIBBLES_PER_WORD + p])
+                if with_sums:
+                    xs[r, wd] = xs[r, wd] + T.Cast(f32, x[r, wd * NIBBLES_PER_WORD + p])
+
+    return macro

@@ -1,0 +1,90 @@
+"""BlinkDL RWKV-4 `.pth` checkpoints: make a folder the converter reads from a lone `.pth` file
+(config.json inferred from the tensor shapes, the checkpoint linked in, the World vocabulary
+copied when it lies next to it). From the shell:
+
+    python -m localchat.engine.models.rwkv4_pth FILE.pth FOLDER [--rescale-every 6]
+
+then `localchat convert FOLDER -o OUT` as for an HF folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from localchat.errors import UnsupportedModelError, WeightsError
+
+WORLD_VOCAB = "rwkv_vocab_v20230424.txt"
+
+
+def config_from_checkpoint(path: Path, rescale_every: int = 6) -> dict[str, Any]:
+    """An HF-style config.json for a BlinkDL RWKV-4 `.pth`, inferred from its tensor shapes."""
+    from localchat.engine.weights import open_checkpoint_file
+
+    src = open_checkpoint_file(Path(path))
+    names = src.names
+    if "emb.weight" not in names or "blocks.0.att.time_first" not in names:
+        raise WeightsError(f"{Path(path).name}: not an RWKV-4 checkpoint (no emb / att.time_first)")
+    if any(".ln_x." in n or ".time_faaaa" in n or ".att.gate." in n for n in names):
+        raise UnsupportedModelError(
+            f"{Path(path).name}: an RWKV-5/6 checkpoint (only RWKV-4 is supported)"
+        )
+    layers = 1 + max(int(m.group(1)) for n in names if (m := re.match(r"blocks\.(\d+)\.", n)))
+    vocab, hidden = src.get("emb.weight").shape
+    return {
+        "architectures": ["RwkvForCausalLM"],
+        "model_type": "rwkv",
+        "vocab_size": int(vocab),
+        "hidden_size": int(hidden),
+        "attention_hidden_size": int(src.get("blocks.0.att.key.weight").shape[0]),
+        "intermediate_size": int(src.get("blocks.0.ffn.key.weight").shape[0]),
+        "num_hidden_layers": int(layers),
+        "layer_norm_epsilon": 1e-5,
+        "rescale_every": int(rescale_every),
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "tie_word_embeddings": False,
+    }
+
+
+def prepare_pth_source(pth: Path, dest: Path, *, rescale_every: int = 6) -> Path:
+    """Make `dest` a folder the converter reads: config.json inferred from `pth`, the checkpoint
+    (linked, or copied where links are not possible) and the World vocabulary when it lies next
+    to the checkpoint. Returns `dest`."""
+    pth, dest = Path(pth), Path(dest)
+    config = config_from_checkpoint(pth, rescale_every)
+    dest.mkdir(parents=True, exist_ok=True)
+    target = dest / pth.name
+    if not target.exists():
+        try:
+            os.symlink(pth.resolve(), target)
+        except OSError:
+            shutil.copy2(pth, target)
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    vocab = pth.parent / WORLD_VOCAB
+    if vocab.exists() and not (dest / WORLD_VOCAB).exists():
+        shutil.copy2(vocab, dest / WORLD_VOCAB)
+    return dest
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m localchat.engine.models.rwkv4_pth",
+        description="Make a converter-ready folder from a BlinkDL RWKV-4 .pth "
+        "(then: localchat convert FOLDER -o OUT)",
+    )
+    parser.add_argument("pth", type=Path)
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--rescale-every", type=int, default=6)
+    ns = parser.parse_args(argv)
+    print(prepare_pth_source(ns.pth, ns.folder, rescale_every=ns.rescale_every))
+
+
+if __name__ == "__main__":
+    main()

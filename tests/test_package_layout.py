@@ -1,0 +1,136 @@
+"""The package's shape: the public names, which layer may import which (read from the sources),
+no import cycles, and a `localchat --help` that loads no heavy module."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import localchat
+
+APP = Path(__file__).resolve().parent.parent / "app"
+FRONT_ENDS = ("localchat.cli", "localchat.server", "localchat.tui")
+# The CLI launches the other two front ends, each from one launcher module.
+LAUNCHERS = {"localchat.cli.tui": "localchat.tui", "localchat.cli.serve": "localchat.server"}
+PUBLIC = {
+    "Engine", "Conversation", "GenerationConfig", "ReplyStream", "Reply", "ReplyStats",
+    "TokenEvent", "FinishEvent", "Event", "LocalchatError", "InvalidRequestError",
+    "ContextWindowError", "ModelNotFoundError", "EngineBusyError", "ModelFailureError",
+    "GenerationError", "ModelConfigError", "UnsupportedModelError", "CompileError",
+    "DeviceError", "DownloadError", "StoreError", "__version__",
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(APP).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(["localchat", *parts])
+
+
+def all_modules() -> dict[str, Path]:
+    return {module_name(p): p for p in APP.rglob("*.py")}
+
+
+def imports_of(path: Path, modules: dict[str, Path], top_level_only: bool) -> set[str]:
+    """The localchat modules `path` imports (at module level only, or anywhere)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    if top_level_only:  # include imports under `if`/`try` at module level, not TYPE_CHECKING
+        expanded = []
+        for node in nodes:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            expanded.extend(ast.walk(node) if isinstance(node, (ast.If, ast.Try)) else [node])
+        nodes = expanded
+    found: set[str] = set()
+    package = module_name(path)
+    if path.name != "__init__.py":
+        package = package.rpartition(".")[0]
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("localchat"))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]
+                                + ([base] if base else []))
+            if not base.startswith("localchat"):
+                continue
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.add(sub if sub in modules else base)
+    return {m for m in found if m in modules}
+
+
+def test_public_names() -> None:
+    assert set(localchat.__all__) == PUBLIC
+    for name in PUBLIC:
+        assert getattr(localchat, name) is not None, name
+
+
+def test_engine_imports_no_downloader_or_front_end() -> None:
+    modules = all_modules()
+    for name, path in modules.items():
+        if not name.startswith("localchat.engine"):
+            continue
+        bad = {m for m in imports_of(path, modules, top_level_only=False)
+               if m.startswith(("localchat.downloader", *FRONT_ENDS))}
+        assert not bad, f"{name} imports {sorted(bad)}"
+
+
+def test_only_a_front_end_imports_itself() -> None:
+    modules = all_modules()
+    for name, path in modules.items():
+        for front in FRONT_ENDS:
+            if name == front or name.startswith(front + "."):
+                continue
+            if LAUNCHERS.get(name) == front:
+                continue
+            bad = {m for m in imports_of(path, modules, top_level_only=False)
+                   if m == front or m.startswith(front + ".")}
+            assert not bad, f"{name} imports the front end {front}: {sorted(bad)}"
+
+
+def test_no_import_cycles_at_module_level() -> None:
+    modules = all_modules()
+    graph = {name: imports_of(path, modules, top_level_only=True) - {name}
+             for name, path in modules.items()}
+    state: dict[str, int] = {}  # 1 visiting, 2 done
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            # a package importing its own submodule is how packages re-export; not a cycle
+            if node.startswith(nxt + "."):
+                continue
+            if state.get(nxt) == 1:
+                cycle = stack[stack.index(nxt):] + [nxt]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name)
+
+
+def test_help_loads_no_heavy_module() -> None:
+    code = (
+        "import sys\n"
+        "from localchat.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "heavy = [m for m in ('tvm', 'numpy', 'torch', 'huggingface_hub', 'rich', 'tokenizers')"
+        " if m in sys.modules]\n"
+        "print('HEAVY', heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert "usage: localchat" in out
+    assert out.strip().endswith("HEAVY []")
