@@ -1,0 +1,384 @@
+"""The chat view: messages streamed as Markdown, live stats, the prompt, and the actions on a
+conversation (stop, regenerate, edit & resend, settings, export, copy). The model loads in a
+thread worker; replies stream with `async for` on the event loop (the engine's scheduler thread
+generates, so the UI thread never waits on TVM); the database is written off the UI thread."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import VerticalScroll
+from textual.screen import Screen
+from textual.widgets import Footer, Header, Markdown, Static
+
+from localchat import FinishEvent, LocalchatError, ReplyStats
+from localchat.paths import data_dir
+from localchat.tui.backend import ChatModel
+from localchat.tui.db import ChatDB, title_from
+from localchat.tui.screens.dialogs import InfoScreen, SettingsScreen
+from localchat.tui.settings import ChatSettings
+from localchat.tui.widgets.messages import MessageView
+from localchat.tui.widgets.prompt import PromptInput
+
+
+@dataclass
+class LiveStats:
+    """What the stats line shows; filled while a reply streams, then from its ReplyStats."""
+
+    ttft_s: float | None = None
+    prefill_tok_s: float | None = None
+    decode_tok_s: float | None = None
+    context_tokens: int | None = None
+    completion_tokens: int = 0
+    finish_reason: str = ""
+
+    @classmethod
+    def of(cls, stats: ReplyStats) -> LiveStats:
+        """From a finished reply's stats."""
+        return cls(stats.ttft_s, stats.prefill_tok_s, stats.decode_tok_s, stats.context_tokens,
+                   stats.completion_tokens, stats.finish_reason)
+
+
+def export_markdown(title: str, model: str, messages: list[dict[str, str]],
+                    directory: Path) -> Path:
+    """Write a conversation as Markdown under `directory`; returns the file's path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    slug = re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")[:40] or "conversation"
+    path = directory / f"{slug}-{time.strftime('%Y%m%d-%H%M%S')}.md"
+    parts = [f"# {title}\n", f"*model: {model}*\n"]
+    for m in messages:
+        who = {"user": "You", "assistant": model, "system": "System"}.get(m["role"], m["role"])
+        note = " *(stopped)*" if m.get("status") == "cancelled" else ""
+        parts.append(f"## {who}{note}\n\n{m['content']}\n")
+    path.write_text("\n".join(parts), encoding="utf-8")
+    return path
+
+
+class ChatScreen(Screen[None]):
+    """One conversation with one model."""
+
+    BINDINGS = [
+        Binding("escape", "stop", "Stop reply"),
+        Binding("ctrl+r", "regenerate", "Regenerate"),
+        Binding("ctrl+s", "settings", "Settings"),
+        Binding("ctrl+o", "export", "Export"),
+        Binding("ctrl+n", "new_chat", "New chat"),
+        Binding("ctrl+b", "copy_last", "Copy reply"),
+        Binding("ctrl+t", "stats_details", "Stats", show=False),
+    ]
+
+    def __init__(self, model_ref: str, conversation_id: int | None = None) -> None:
+        super().__init__()
+        self.model_ref = model_ref
+        self.conversation_id = conversation_id
+        self.settings = ChatSettings()
+        self.model: ChatModel | None = None
+        self.stream: Any = None  # the ReplyStream being shown
+        self.replying = False  # from sending until the reply is shown and stored
+        self.stats = LiveStats()
+        self.last_stats: ReplyStats | None = None
+        self.edit_from: MessageView | None = None
+        self.load_error: str | None = None
+        self.title_text = "New chat"
+
+    @property
+    def db(self) -> ChatDB:
+        """The app's chat database."""
+        return self.app.db  # type: ignore[attr-defined, no-any-return]
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        yield VerticalScroll(id="messages")
+        yield Static("", id="status")
+        yield Static("", id="stats")
+        yield PromptInput(id="prompt")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.sub_title = self.model_ref
+        self.query_one("#messages").anchor()
+        self.query_one(PromptInput).focus()
+        self._set_status(f"loading {self.model_ref}…")
+        if self.conversation_id is not None:
+            self._open_conversation(self.conversation_id)
+        self._load_model()
+        self._show_stats()
+
+    # loading ---------------------------------------------------------------------------------
+    def _open_conversation(self, conversation_id: int) -> None:
+        row = self.db.conversation(conversation_id)
+        if row is None:
+            self.notify(f"conversation {conversation_id} no longer exists", severity="error")
+            self.conversation_id = None
+            return
+        self.settings = ChatSettings.from_dict(row.settings)
+        self.title_text = row.title
+        self.title = row.title
+        views = [
+            MessageView(m.role, m.content, author=self._author(m.role), status=m.status,
+                        message_id=m.id)
+            for m in self.db.messages(conversation_id) if m.role in ("user", "assistant")
+        ]
+        self.query_one("#messages").mount_all(views)
+        last = next((m for m in reversed(self.db.messages(conversation_id))
+                     if m.role == "assistant" and m.stats), None)
+        if last is not None and last.stats:
+            self.stats = LiveStats.of(ReplyStats(**last.stats))
+
+    def _author(self, role: str) -> str:
+        return "you" if role == "user" else self.model_ref
+
+    @work(thread=True, exclusive=True, group="load", exit_on_error=False)
+    def _load_model(self) -> None:
+        backend = self.app.backend  # type: ignore[attr-defined]
+
+        def log(line: str) -> None:
+            self.app.call_from_thread(self._set_status, line)
+
+        started = time.monotonic()
+        try:
+            model = backend.load(self.model_ref, context_window=self.settings.context_window,
+                                 log=log)
+        except LocalchatError as exc:
+            self.app.call_from_thread(self._load_failed, str(exc))
+            return
+        except Exception as exc:  # noqa: BLE001 - any failure is shown, the app stays up
+            self.app.call_from_thread(self._load_failed, f"{type(exc).__name__}: {exc}")
+            return
+        self.app.call_from_thread(self._loaded, model, time.monotonic() - started)
+
+    def _loaded(self, model: ChatModel, seconds: float) -> None:
+        self.model = model
+        self._set_status(f"{model.name} ready on {model.device} ({seconds:.1f} s)")
+        self._show_stats()
+
+    def _load_failed(self, message: str) -> None:
+        self.load_error = message
+        self._set_status(f"[b red]could not load {self.model_ref}:[/] {message}")
+
+    def _set_status(self, text: str) -> None:
+        self.query_one("#status", Static).update(text)
+
+    # stats -----------------------------------------------------------------------------------
+    def stats_line(self) -> str:
+        """The stats line's text."""
+        s = self.stats
+        window = self.model.context_window if self.model else None
+        device = self.model.device if self.model else "…"
+
+        def num(v: float | None, fmt: str) -> str:
+            return "–" if v is None else format(v, fmt)
+
+        ctx = f"{s.context_tokens if s.context_tokens is not None else '–'}/{window or '–'}"
+        return (f"TTFT {num(s.ttft_s, '.2f')} s · prefill {num(s.prefill_tok_s, '.1f')} tok/s"
+                f" · decode {num(s.decode_tok_s, '.1f')} tok/s · context {ctx} tok"
+                f" · device {device}")
+
+    def _show_stats(self) -> None:
+        self.query_one("#stats", Static).update(self.stats_line())
+
+    def action_stats_details(self) -> None:
+        st = self.last_stats
+        text = st.summary() if st else "no reply yet"
+        if st:
+            text += "\n\n" + "\n".join(f"{k}: {v}" for k, v in st.to_dict().items())
+        self.app.push_screen(InfoScreen("Last reply", text))
+
+    # sending ---------------------------------------------------------------------------------
+    @property
+    def views(self) -> list[MessageView]:
+        """The messages on screen, in order."""
+        return list(self.query_one("#messages").query_children(MessageView))
+
+    @property
+    def busy(self) -> bool:
+        """Whether a reply is streaming."""
+        return self.replying
+
+    @on(PromptInput.Submitted)
+    def _submitted(self, event: PromptInput.Submitted) -> None:
+        text = event.text.strip()
+        if not text:
+            return
+        if self.busy:
+            self.notify("a reply is streaming: Esc stops it", severity="warning")
+            return
+        if self.model is None:
+            why = self.load_error or "the model is still loading"
+            self.notify(f"cannot send yet: {why}", severity="warning")
+            return
+        event.prompt.remember(text)
+        event.prompt.load_text("")
+        cut = self.edit_from
+        self.edit_from = None
+        self._reply(text, cut_from=cut)
+
+    def action_regenerate(self) -> None:
+        if self.busy or self.model is None:
+            return
+        views = self.views
+        if not views:
+            return
+        if views[-1].role == "assistant":
+            views = views[:-1]
+        if not views or views[-1].role != "user":
+            return
+        self._reply(None, cut_from=self.views[len(views)] if len(views) < len(self.views)
+                    else None)
+
+    @on(MessageView.EditRequested)
+    def _edit(self, event: MessageView.EditRequested) -> None:
+        if self.busy:
+            return
+        self.edit_from = event.view
+        prompt = self.query_one(PromptInput)
+        prompt.load_text(event.view.content)
+        prompt.focus()
+        self.notify("editing: Enter resends from this message (later ones are dropped)")
+
+    def action_stop(self) -> None:
+        if self.stream is not None:
+            self.stream.cancel()
+        elif self.edit_from is not None:
+            self.edit_from = None
+            self.query_one(PromptInput).load_text("")
+
+    @work(exclusive=True, group="reply", exit_on_error=False)
+    async def _reply(self, text: str | None, cut_from: MessageView | None = None) -> None:
+        """Send `text` (None: regenerate the reply to the last user message) and stream the
+        reply into a new message view; `cut_from` and later messages are dropped first."""
+        self.replying = True
+        try:
+            await self._send_and_stream(text, cut_from)
+        finally:
+            self.replying = False
+
+    async def _send_and_stream(self, text: str | None, cut_from: MessageView | None) -> None:
+        assert self.model is not None
+        model, box = self.model, self.query_one("#messages")
+        key = str(id(self))
+        if cut_from is not None:
+            views = self.views
+            dropped = views[views.index(cut_from):]
+            first_id = next((v.message_id for v in dropped if v.message_id is not None), None)
+            if self.conversation_id is not None and first_id is not None:
+                await asyncio.to_thread(self.db.delete_from, self.conversation_id, first_id)
+            await box.remove_children(dropped)
+        if self.conversation_id is None:
+            self.title_text = title_from(text or "New chat")
+            self.title = self.title_text
+            self.conversation_id = await asyncio.to_thread(
+                self.db.create_conversation, self.model_ref, self.title_text,
+                self.settings.to_dict())
+        cid = self.conversation_id
+        if text is not None:
+            user_id = await asyncio.to_thread(self.db.add_message, cid, "user", text)
+            await box.mount(MessageView("user", text, message_id=user_id))
+        history = [v.as_dict() for v in self.views]
+        view = MessageView("assistant", author=model.name, status="streaming")
+        await box.mount(view)
+        box.anchor()
+        self.stats = LiveStats(context_tokens=self.stats.context_tokens)
+        self._show_stats()
+        started = time.monotonic()
+        first_token: float | None = None
+        tokens, pieces, last_draw = 0, [], 0.0
+        reply = None
+        error: str | None = None
+        writer = Markdown.get_stream(view.body)
+        try:
+            self.stream = await asyncio.to_thread(model.reply, key, history, self.settings)
+            async for event in self.stream:
+                now = time.monotonic()
+                if isinstance(event, FinishEvent):
+                    reply = event.reply
+                else:
+                    tokens += 1
+                    if first_token is None:
+                        first_token = now
+                        self.stats.ttft_s = now - started
+                if event.text:
+                    pieces.append(event.text)
+                    await writer.write(event.text)
+                if first_token is not None and now - last_draw > 0.25:
+                    last_draw = now
+                    if tokens > 1 and now > first_token:
+                        self.stats.decode_tok_s = (tokens - 1) / (now - first_token)
+                    self.stats.completion_tokens = tokens
+                    self._show_stats()
+        except LocalchatError as exc:
+            error = str(exc)
+        except Exception as exc:  # noqa: BLE001 - a failed reply is shown, the app stays up
+            error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.stream = None
+            await writer.stop()
+        content = reply.text if reply is not None else "".join(pieces)
+        view.content = content
+        await view.body.update(content)  # the whole text once more: fences never stay blank
+        status = "error" if error else (
+            "cancelled" if reply is not None and reply.finish_reason == "cancelled" else "done")
+        if content or status != "error":
+            view.message_id = await asyncio.to_thread(
+                self.db.add_message, cid, "assistant", content, status=status,
+                stats=reply.stats.to_dict() if reply is not None else None)
+        view.set_status(status, error)
+        if reply is not None:
+            self.last_stats = reply.stats
+            self.stats = LiveStats.of(reply.stats)
+        self._show_stats()
+
+    # settings, export, copy, new -------------------------------------------------------------
+    def action_settings(self) -> None:
+        window = self.model.context_window if self.model else None
+
+        def done(settings: ChatSettings | None) -> None:
+            if settings is None:
+                return
+            reload = settings.context_window != self.settings.context_window
+            self.settings = settings
+            if self.conversation_id is not None:
+                self.db.set_settings(self.conversation_id, settings.to_dict())
+            if self.model is not None:
+                self.model.forget(str(id(self)))
+            if reload:
+                self.model = None
+                self._set_status(f"reloading {self.model_ref} with the new context window…")
+                self._load_model()
+            self.notify("settings saved")
+
+        self.app.push_screen(SettingsScreen(self.settings, max_window=window),
+                             done)
+
+    def action_export(self) -> None:
+        messages = [dict(v.as_dict(), status=v.status) for v in self.views]
+        if self.settings.system:
+            messages.insert(0, {"role": "system", "content": self.settings.system})
+        path = export_markdown(self.title_text, self.model_ref, messages,
+                               data_dir() / "exports")
+        self.exported = path
+        self.notify(f"exported to {path}", timeout=10)
+        self._set_status(f"exported to {path}")
+
+    def action_copy_last(self) -> None:
+        for view in reversed(self.views):
+            if view.role == "assistant":
+                view.action_copy()
+                return
+
+    def action_new_chat(self) -> None:
+        self.app.open_chat(self.model_ref, replace_current=True)  # type: ignore[attr-defined]
+
+    def on_unmount(self) -> None:
+        if self.stream is not None:
+            self.stream.cancel()
+        if self.model is not None:
+            self.model.forget(str(id(self)))

@@ -1,0 +1,304 @@
+"""Modal dialogs: confirm, ask for a line of text, help, model details, per-conversation
+settings (with inline validation) and the conversation list."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Button, Input, Label, OptionList, Static, TextArea
+from textual.widgets.option_list import Option
+
+from localchat.errors import InvalidRequestError
+from localchat.tui.backend import ModelInfo
+from localchat.tui.db import ChatDB, ConversationRow
+from localchat.tui.settings import FIELD_LABELS, ChatSettings, parse_field, parse_settings
+
+HELP = """\
+[b]Everywhere[/b]
+  F1            this help              Ctrl+P   command palette (every action)
+  Ctrl+Q        quit                   F2       models            F3  conversations
+
+[b]Models[/b]
+  type          filter the list        ↑ ↓      move
+  Enter         chat with an installed model, or pull a catalog one
+  p             pull (highlighted catalog model, or ask for a name / repo / path)
+  d             delete the model (asks first)     i  details     b  compile for this device
+  Esc           cancel the newest running pull
+
+[b]Chat[/b]
+  Enter         send                   Ctrl+J   newline (Shift+Enter where the terminal sends it)
+  ↑             recall earlier prompts Esc      stop the reply (the partial text is kept, marked)
+  Ctrl+R        regenerate the last reply       Ctrl+S   settings (system prompt, parameters)
+  Ctrl+O        export to Markdown              Ctrl+N   new conversation
+  Ctrl+B        copy the last reply (OSC 52)    Ctrl+T   detailed stats
+  Tab           focus messages; on a message: c copy, b copy code block, e edit & resend
+"""
+
+
+class ConfirmScreen(ModalScreen[bool]):
+    """Yes or no."""
+
+    BINDINGS = [Binding("y", "answer(True)", "Yes"), Binding("n,escape", "answer(False)", "No")]
+
+    def __init__(self, question: str) -> None:
+        super().__init__()
+        self.question = question
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog"):
+            yield Label(self.question, id="question")
+            with Horizontal(classes="buttons"):
+                yield Button("Yes (y)", id="yes", variant="error")
+                yield Button("No (n)", id="no")
+
+    @on(Button.Pressed)
+    def _pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id == "yes")
+
+    def action_answer(self, answer: bool) -> None:
+        self.dismiss(answer)
+
+
+class AskScreen(ModalScreen[str | None]):
+    """One line of text (a name to pull, a new title); Esc cancels."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, question: str, value: str = "", placeholder: str = "") -> None:
+        super().__init__()
+        self.question, self.value, self.placeholder = question, value, placeholder
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog"):
+            yield Label(self.question)
+            yield Input(self.value, placeholder=self.placeholder, id="answer")
+
+    @on(Input.Submitted)
+    def _submitted(self, event: Input.Submitted) -> None:
+        self.dismiss(event.value.strip() or None)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class HelpScreen(ModalScreen[None]):
+    """Every key."""
+
+    BINDINGS = [Binding("escape,f1,q", "close", "Close")]
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(classes="dialog wide", id="help"):
+            yield Static(HELP)
+
+    def action_close(self) -> None:
+        self.dismiss(None)
+
+
+class InfoScreen(ModalScreen[None]):
+    """A block of text (model details, detailed stats)."""
+
+    BINDINGS = [Binding("escape,q", "close", "Close")]
+
+    def __init__(self, title: str, text: str) -> None:
+        super().__init__()
+        self.title_text, self.text = title, text
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(classes="dialog wide"):
+            yield Label(f"[b]{self.title_text}[/b]")
+            yield Static(self.text, markup=False, id="info-body")
+
+    def action_close(self) -> None:
+        self.dismiss(None)
+
+
+def model_details(model: ModelInfo) -> str:
+    """What the details view shows of an installed model."""
+    cfg = model.config
+    source = cfg.get("source") or {}
+    lines = [
+        f"path:          {model.path}",
+        f"architecture:  {model.architecture}",
+        f"quantization:  {model.quantization}",
+        f"template:      {cfg.get('template', '')}",
+        f"context:       {cfg.get('context_window_size', '')}",
+        f"source:        {json.dumps(source) if source else ''}",
+        f"size:          {model.size_bytes / 1e6:.1f} MB",
+        f"compiled for:  {', '.join(model.targets) or 'not compiled (press b)'}",
+        f"libraries:     {', '.join(model.libraries)}",
+        "",
+        "config:",
+        json.dumps(cfg, indent=2, sort_keys=True, default=str),
+    ]
+    return "\n".join(lines)
+
+
+SETTINGS_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                   "max_tokens", "seed", "context_window")
+
+
+class SettingsScreen(ModalScreen[ChatSettings | None]):
+    """The conversation's system prompt and parameters. Each field is checked as it is typed;
+    Save applies only when every field is valid, otherwise the reason stays shown inline."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "save", "Save")]
+
+    def __init__(self, settings: ChatSettings, max_window: int | None = None) -> None:
+        super().__init__()
+        self.settings = settings
+        self.max_window = max_window
+
+    def compose(self) -> ComposeResult:
+        text = self.settings.as_text()
+        with VerticalScroll(classes="dialog wide", id="settings"):
+            yield Label("[b]Conversation settings[/b] (blank: the model's default)")
+            yield Label(FIELD_LABELS["system"])
+            yield TextArea(text["system"], id="system", classes="system-prompt")
+            for name in SETTINGS_FIELDS:
+                with Horizontal(classes="field"):
+                    yield Label(FIELD_LABELS[name], classes="field-label")
+                    yield Input(text[name], id=name, placeholder="default")
+                yield Label("", id=f"error-{name}", classes="field-error")
+            with Horizontal(classes="buttons"):
+                yield Button("Save (Ctrl+S)", id="save", variant="primary")
+                yield Button("Cancel (Esc)", id="cancel")
+
+    def _show_error(self, name: str, message: str) -> None:
+        self.query_one(f"#error-{name}", Label).update(message)
+        self.query_one(f"#{name}", Input).set_class(bool(message), "-invalid")
+
+    @on(Input.Changed)
+    def _changed(self, event: Input.Changed) -> None:
+        name = event.input.id or ""
+        try:
+            parse_field(name, event.value, max_window=self.max_window)
+        except InvalidRequestError as exc:
+            self._show_error(name, str(exc))
+        else:
+            self._show_error(name, "")
+
+    def fields(self) -> dict[str, str]:
+        """The form's current text, by field."""
+        out = {name: self.query_one(f"#{name}", Input).value for name in SETTINGS_FIELDS}
+        out["system"] = self.query_one("#system", TextArea).text
+        return out
+
+    @on(Button.Pressed, "#save")
+    def action_save(self) -> None:
+        try:
+            settings = parse_settings(self.fields(), max_window=self.max_window)
+        except InvalidRequestError as exc:
+            name = exc.param if exc.param in SETTINGS_FIELDS else "temperature"
+            self._show_error(name, str(exc))
+            self.notify(f"not saved: {exc}", severity="error")
+            return
+        self.dismiss(settings)
+
+    @on(Button.Pressed, "#cancel")
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+def _ago(t: float) -> str:
+    s = max(0.0, time.time() - t)
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if s >= size:
+            return f"{s / size:.0f} {unit} ago"
+    return "just now"
+
+
+class ConversationsScreen(ModalScreen[Any]):
+    """Saved conversations: search by title, open (Enter), rename (r), delete (d), new (n).
+    Dismisses with a conversation id to open, "new", or None."""
+
+    BINDINGS = [
+        Binding("escape", "close", "Close"),
+        Binding("ctrl+r", "rename", "Rename"),
+        Binding("ctrl+d", "delete", "Delete"),
+        Binding("ctrl+n", "new", "New"),
+    ]
+
+    def __init__(self, db: ChatDB) -> None:
+        super().__init__()
+        self.db = db
+        self.rows: list[ConversationRow] = []
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog wide", id="conversations"):
+            yield Label("[b]Conversations[/b]  Enter open · Ctrl+R rename · Ctrl+D delete · "
+                        "Ctrl+N new · Esc close")
+            yield Input(placeholder="search titles…", id="search")
+            yield OptionList(id="conversation-list")
+
+    def on_mount(self) -> None:
+        self.reload()
+
+    def reload(self) -> None:
+        """Re-read the list (filtered by the search box)."""
+        self.rows = self.db.conversations(self.query_one("#search", Input).value)
+        options = self.query_one(OptionList)
+        options.clear_options()
+        options.add_options([
+            Option(f"{r.title}  ·  {r.model}  ·  {r.messages} messages  ·  {_ago(r.updated)}",
+                   id=str(r.id))
+            for r in self.rows
+        ])
+        if self.rows:
+            options.highlighted = 0
+
+    @on(Input.Changed, "#search")
+    def _search(self) -> None:
+        self.reload()
+
+    @on(Input.Submitted, "#search")
+    def _open_first(self) -> None:
+        self._open(self.query_one(OptionList).highlighted)
+
+    def _current(self) -> ConversationRow | None:
+        index = self.query_one(OptionList).highlighted
+        return self.rows[index] if index is not None and index < len(self.rows) else None
+
+    @on(OptionList.OptionSelected)
+    def _selected(self, event: OptionList.OptionSelected) -> None:
+        self._open(event.option_index)
+
+    def _open(self, index: int | None) -> None:
+        if index is not None and index < len(self.rows):
+            self.dismiss(self.rows[index].id)
+
+    def action_new(self) -> None:
+        self.dismiss("new")
+
+    def action_close(self) -> None:
+        self.dismiss(None)
+
+    def action_rename(self) -> None:
+        row = self._current()
+        if row is None:
+            return
+
+        def done(title: str | None) -> None:
+            if title:
+                self.db.rename(row.id, title)
+                self.reload()
+
+        self.app.push_screen(AskScreen("New title:", row.title), done)
+
+    def action_delete(self) -> None:
+        row = self._current()
+        if row is None:
+            return
+
+        def done(yes: bool | None) -> None:
+            if yes:
+                self.db.delete(row.id)
+                self.reload()
+
+        self.app.push_screen(ConfirmScreen(f"Delete the conversation “{row.title}”?"), done)

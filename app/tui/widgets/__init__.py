@@ -1,0 +1,1 @@
+"""Widgets of the terminal UI: messages, the prompt input, the jobs panel."""

@@ -1,0 +1,211 @@
+"""Chatting in the terminal UI with the real SmolLM2-135M-Instruct, driven by Textual's Pilot:
+a streamed Markdown reply with live stats, Esc keeping the partial text, settings validated
+inline, regenerate / edit & resend / copy / export, and conversations persisted in SQLite that
+reopen and continue after a restart. One engine is loaded per module and shared by the apps."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+
+import pytest
+from textual.widgets import Input, Label, Static
+
+from localchat import Engine
+from localchat.tui.app import LocalchatApp
+from localchat.tui.backend import LocalBackend
+from localchat.tui.db import ChatDB
+from localchat.tui.screens.chat import ChatScreen
+from localchat.tui.screens.dialogs import ConversationsScreen, SettingsScreen
+from localchat.tui.widgets.prompt import PromptInput
+
+pytestmark = pytest.mark.asyncio
+wait_for: Callable[..., Awaitable[None]]
+
+
+@pytest.fixture(autouse=True)
+def _wait(wait: Callable[..., Awaitable[None]]) -> None:
+    global wait_for
+    wait_for = wait
+SIZE = (120, 40)
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def backend(model_dir: Path) -> Iterator[LocalBackend]:
+    """One in-process backend (and so one loaded engine) for every app of this module."""
+    # Before any test's LOCALCHAT_HOME: a library the engine must (re)compile lands in the
+    # user's library cache, where every test's store then finds it.
+    Engine.open(model_dir, device="cpu").close()
+    b = LocalBackend(device="cpu")
+    yield b
+    b.close()
+
+
+async def chat_ready(pilot, app: LocalchatApp) -> ChatScreen:
+    """The chat screen `--model` opened, once its model has loaded."""
+    await wait_for(pilot, lambda: isinstance(app.screen, ChatScreen), what="the chat screen")
+    screen = app.screen
+    assert isinstance(screen, ChatScreen)
+    await wait_for(pilot, lambda: screen.model is not None or screen.load_error,
+                   timeout=120, what="the model to load")
+    assert screen.load_error is None, screen.load_error
+    return screen
+
+
+async def set_fields(pilot, app: LocalchatApp, **values: str) -> None:
+    """Open the settings dialog, type each value into its field, and save."""
+    await pilot.press("ctrl+s")
+    await wait_for(pilot, lambda: isinstance(app.screen, SettingsScreen), what="settings")
+    for name, text in values.items():
+        box = app.screen.query_one(f"#{name}", Input)
+        box.focus()
+        await pilot.press("end")
+        while box.value:
+            await pilot.press("backspace")
+        await pilot.press(*text)
+    await pilot.press("ctrl+s")
+
+
+async def send(pilot, screen: ChatScreen, text: str, timeout: float = 60) -> None:
+    """Type `text` into the prompt, press Enter, and wait for the reply to end."""
+    screen.query_one(PromptInput).focus()
+    await pilot.press(*text)
+    last = screen.views[-1] if screen.views else None
+    await pilot.press("enter")
+    await wait_for(pilot, lambda: not screen.busy and screen.views[-1] is not last
+                   and screen.views[-1].role == "assistant", timeout=timeout, what="the reply")
+
+
+async def test_ask_stream_stats_persist_restart_and_continue(
+        store_home: Path, backend: LocalBackend) -> None:
+    app = LocalchatApp(model="smollm2", backend=backend)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await chat_ready(pilot, app)
+        assert screen.focused is screen.query_one(PromptInput)
+        await set_fields(pilot, app, temperature="0", max_tokens="24")
+        await wait_for(pilot, lambda: app.screen is screen, what="settings to close")
+        assert screen.settings.temperature == 0.0 and screen.settings.max_tokens == 24
+        await send(pilot, screen, QUESTION)
+        user, answer = screen.views
+        assert user.content == QUESTION
+        assert answer.status == "done" and "Paris" in answer.content
+        assert "Paris" in answer.body.source
+        stats = str(screen.query_one("#stats", Static).render())
+        assert screen.stats.decode_tok_s and screen.stats.decode_tok_s > 0
+        assert f"decode {screen.stats.decode_tok_s:.1f} tok/s" in stats
+        assert "TTFT" in stats and "device cpu" in stats and "/8192 tok" in stats
+        cid = screen.conversation_id
+    db = ChatDB()
+    [row] = db.conversations()
+    assert row.id == cid and row.title == QUESTION and row.model == "smollm2"
+    assert row.settings["temperature"] == 0.0
+    stored = db.messages(cid)
+    assert [m.role for m in stored] == ["user", "assistant"]
+    assert "Paris" in stored[1].content and stored[1].stats["decode_tok_s"] > 0
+
+    # restart: the conversation is listed, reopens with its messages and continues
+    app = LocalchatApp(backend=backend)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("f3")
+        await wait_for(pilot, lambda: isinstance(app.screen, ConversationsScreen),
+                       what="the conversation list")
+        assert app.screen.rows[0].title == QUESTION
+        await pilot.press("enter")
+        screen = await chat_ready(pilot, app)
+        assert [v.content for v in screen.views][0] == QUESTION
+        assert screen.settings.temperature == 0.0
+        await send(pilot, screen, "And of Germany?")
+        assert len(screen.views) == 4 and screen.views[-1].status == "done"
+        assert screen.views[-1].content
+    assert [m.role for m in db.messages(cid)] == ["user", "assistant"] * 2
+
+
+async def test_escape_stops_the_reply_and_keeps_the_partial_text_marked(
+        store_home: Path, backend: LocalBackend) -> None:
+    app = LocalchatApp(model="smollm2", backend=backend)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await chat_ready(pilot, app)
+        screen.query_one(PromptInput).focus()
+        await pilot.press(*"Write a very long story about a dragon.")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: screen.stats.completion_tokens >= 3,
+                       what="the first tokens")
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not screen.busy, timeout=10, what="the reply to stop")
+        answer = screen.views[-1]
+        assert answer.status == "cancelled" and answer.content
+        assert "stopped" in str(answer.query_one(".message-header", Label).render())
+        assert answer.body.source == answer.content
+        assert screen.stats.completion_tokens < 200
+    stored = ChatDB().messages(screen.conversation_id)
+    assert stored[-1].status == "cancelled" and stored[-1].content == answer.content
+
+
+async def test_an_invalid_temperature_is_shown_inline_and_never_applied(
+        store_home: Path, backend: LocalBackend) -> None:
+    app = LocalchatApp(model="smollm2", backend=backend)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await wait_for_chat(pilot, app)
+        before = screen.settings
+        await set_fields(pilot, app, temperature="-1")
+        dialog = app.screen
+        assert isinstance(dialog, SettingsScreen)  # not saved: still open
+        error = str(dialog.query_one("#error-temperature", Label).render())
+        assert "temperature must be >= 0" in error
+        assert dialog.query_one("#temperature", Input).has_class("-invalid")
+        box = dialog.query_one("#temperature", Input)
+        box.focus()
+        await pilot.press("backspace", "backspace", "x")
+        assert "temperature must be a number" in str(
+            dialog.query_one("#error-temperature", Label).render())
+        await pilot.press("escape")
+        assert app.screen is screen and screen.settings == before
+
+
+async def wait_for_chat(pilot, app: LocalchatApp) -> ChatScreen:
+    await wait_for(pilot, lambda: isinstance(app.screen, ChatScreen), what="the chat screen")
+    assert isinstance(app.screen, ChatScreen)
+    return app.screen
+
+
+async def test_regenerate_edit_and_resend_copy_and_export(
+        store_home: Path, backend: LocalBackend) -> None:
+    app = LocalchatApp(model="smollm2", backend=backend)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await chat_ready(pilot, app)
+        await set_fields(pilot, app, temperature="0", max_tokens="12")
+        await wait_for(pilot, lambda: app.screen is screen, what="settings to close")
+        await send(pilot, screen, QUESTION)
+        first = screen.views[-1].content
+        assert "Paris" in first
+        await pilot.press("ctrl+b")
+        assert app.clipboard == first
+
+        await pilot.press("ctrl+r")  # regenerate: the last reply is replaced
+        await wait_for(pilot, lambda: not screen.busy and screen.views[-1].status == "done"
+                       and screen.views[-1].message_id is not None, what="the new reply")
+        assert len(screen.views) == 2 and screen.views[-1].content == first  # greedy
+
+        screen.views[0].focus()  # edit & resend the first message: the chat branches there
+        await pilot.press("e")
+        prompt = screen.query_one(PromptInput)
+        assert prompt.text == QUESTION and screen.focused is prompt
+        prompt.load_text("")
+        await send(pilot, screen, "What is the capital of Italy?")
+        assert [v.content for v in screen.views][0] == "What is the capital of Italy?"
+        # the branch saw only the edited message: the same as a fresh greedy reply to it
+        fresh = backend.load("smollm2").engine.chat(
+            [{"role": "user", "content": "What is the capital of Italy?"}],
+            temperature=0.0, max_tokens=12).result().text
+        assert len(screen.views) == 2 and screen.views[-1].content == fresh
+        stored = ChatDB().messages(screen.conversation_id)
+        assert [m.content for m in stored][0] == "What is the capital of Italy?"
+        assert len(stored) == 2
+
+        await pilot.press("ctrl+o")
+        path = screen.exported
+        text = Path(path).read_text()
+        assert path.parent == store_home / "exports"
+        assert "What is the capital of Italy?" in text and fresh in text
+        assert str(path) in str(screen.query_one("#status", Static).render())
