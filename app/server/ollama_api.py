@@ -1,0 +1,382 @@
+"""The Ollama-compatible routes under /api: chat and generate (NDJSON streaming), tags, show,
+ps, version and pull. Errors are `{"error": "message"}` (see errors.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import re
+import time
+from collections.abc import AsyncIterator
+from datetime import datetime, timezone
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from localchat import __version__
+from localchat.engine.stream import FinishEvent, TokenEvent
+from localchat.errors import InvalidRequestError, LocalchatError, ModelNotFoundError
+from localchat.server import protocol as p
+from localchat.server.pool import LoadedModel
+from localchat.server.state import ServerState, read_body, state_of
+from localchat.server.streaming import (
+    ReplyStreamingResponse,
+    Tracker,
+    cancel_on_disconnect,
+    collect,
+    merged,
+    prepend,
+)
+
+router = APIRouter(prefix="/api")
+log = logging.getLogger("localchat.server")
+NDJSON = "application/x-ndjson"
+FAR_FUTURE = "2318-08-01T00:00:00Z"
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def keep_alive_seconds(value: float | str | None) -> float | None:
+    """Ollama's keep_alive (seconds, or "5m", "1h30m", "-1") in seconds; None when unset."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    text = value.strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    parts = re.findall(r"(-?\d+(?:\.\d+)?)(ms|s|m|h)", text)
+    if not parts or "".join(a + b for a, b in parts) != text:
+        raise InvalidRequestError(f"keep_alive: cannot parse {value!r} as a duration",
+                                  "keep_alive")
+    scale = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+    return sum(float(a) * scale[b] for a, b in parts)
+
+
+def options(opts: p.OllamaOptions | None) -> dict[str, Any]:
+    """Ollama options as engine overrides (num_predict < 0: no limit)."""
+    out: dict[str, Any] = {}
+    if opts is None:
+        return out
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                 "frequency_penalty", "seed"):
+        value = getattr(opts, name)
+        if value is not None:
+            out[name] = value
+    if out.get("seed") is not None and out["seed"] < 0:
+        out.pop("seed")  # Ollama: -1 is "random"
+    if opts.repeat_penalty is not None:
+        out["repetition_penalty"] = opts.repeat_penalty
+    if opts.num_predict is not None and opts.num_predict >= 0:
+        if opts.num_predict == 0:
+            raise InvalidRequestError("num_predict must be positive (or -1: no limit)",
+                                      "num_predict")
+        out["max_tokens"] = opts.num_predict
+    if opts.stop:
+        out["stop"] = tuple(opts.stop)
+    return out
+
+
+def check_format(fmt: Any) -> None:
+    if fmt not in (None, ""):
+        raise InvalidRequestError("format (JSON output) is not supported yet", "format")
+
+
+def details(config: dict[str, Any], quant: str) -> dict[str, Any]:
+    arch = str(config.get("architecture") or "unknown")
+    return {"parent_model": "", "format": "tvm", "family": arch, "families": [arch],
+            "parameter_size": str(config.get("parameter_size") or ""),
+            "quantization_level": quant}
+
+
+def digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def durations(tracker: Tracker, finish: FinishEvent | None, started: float,
+              load_s: float) -> dict[str, Any]:
+    stats = finish.reply.stats if finish is not None else None
+    total = time.perf_counter() - started
+    prompt_s = (stats.prompt_tokens / stats.prefill_tok_s
+                if stats is not None and stats.prefill_tok_s else 0.0)
+    eval_s = ((stats.completion_tokens - 1) / stats.decode_tok_s
+              if stats is not None and stats.decode_tok_s else 0.0)
+    return {
+        "done_reason": (finish.finish_reason if finish is not None else "stop"),
+        "total_duration": int(total * 1e9), "load_duration": int(load_s * 1e9),
+        "prompt_eval_count": stats.prompt_tokens if stats else 0,
+        "prompt_eval_duration": int(prompt_s * 1e9),
+        "eval_count": stats.completion_tokens if stats else 0,
+        "eval_duration": int(eval_s * 1e9),
+    }
+
+
+async def _generate(request: Request, state: ServerState, body: p.OllamaBase,
+                    start: Any, shape: Any) -> Response:
+    """Run one reply for /api/chat or /api/generate; `shape(text)` builds a response body."""
+    started = time.perf_counter()
+    keep_alive = keep_alive_seconds(body.keep_alive)
+    overrides = options(body.options)
+    check_format(body.format)
+    t0 = time.perf_counter()
+    loaded: LoadedModel = await state.pool.acquire(body.model)
+    load_s = time.perf_counter() - t0
+    release: Any = loaded
+    try:
+        if start is None:  # no messages / no prompt: just load the model
+            return JSONResponse({**shape(""), "done": True, "done_reason": "load"})
+        streams = [start(loaded.engine, overrides)]
+        tracker = Tracker(state.metrics, loaded.ref, started)
+        events = merged(streams, tracker)
+        if body.stream is False:
+            async with cancel_on_disconnect(request, streams):
+                (choice,) = await collect(events, 1)
+            return JSONResponse({**shape(choice.text), "done": True,
+                                 **durations(tracker, choice.finish, started, load_s)})
+        async with cancel_on_disconnect(request, streams):
+            first = await anext(events)
+
+        async def lines(events: AsyncIterator[tuple[int, TokenEvent | FinishEvent]]
+                        ) -> AsyncIterator[str]:
+            try:
+                async for _, event in events:
+                    if isinstance(event, TokenEvent):
+                        if event.text:
+                            yield json.dumps({**shape(event.text), "done": False}) + "\n"
+                        continue
+                    if event.text:
+                        yield json.dumps({**shape(event.text), "done": False}) + "\n"
+                    yield json.dumps({**shape(""), "done": True,
+                                      **durations(tracker, event, started, load_s)}) + "\n"
+            except Exception as exc:  # noqa: BLE001 - the status is sent: report in the stream
+                log.error("a streamed reply failed: %s: %s", type(exc).__name__, exc)
+                yield json.dumps({"error": str(exc)}) + "\n"
+
+        response = ReplyStreamingResponse(
+            lines(prepend(first, events)), streams, media_type=NDJSON,
+            on_close=lambda: state.pool.release(loaded, keep_alive))
+        release = None
+        return response
+    finally:
+        if release is not None:
+            await state.pool.release(loaded, keep_alive)
+
+
+@router.post("/chat")
+async def chat(request: Request) -> Response:
+    state = state_of(request)
+    body = p.OllamaChatRequest.model_validate_json(await read_body(request))
+    if body.tools:
+        raise InvalidRequestError("tools are not supported by this server", "tools")
+    messages = []
+    for i, m in enumerate(body.messages or []):
+        if m.images:
+            raise InvalidRequestError(f"messages[{i}]: images are not supported", "images")
+        if m.role == "tool":
+            raise InvalidRequestError(f"messages[{i}]: tool messages are not supported", "role")
+        messages.append({"role": m.role, "content": m.content or ""})
+    start = (lambda engine, o: engine.chat(messages, **o)) if messages else None
+
+    def shape(text: str) -> dict[str, Any]:
+        return {"model": body.model, "created_at": now_iso(),
+                "message": {"role": "assistant", "content": text}}
+
+    return await _generate(request, state, body, start, shape)
+
+
+@router.post("/generate")
+async def generate(request: Request) -> Response:
+    state = state_of(request)
+    body = p.OllamaGenerateRequest.model_validate_json(await read_body(request))
+    if body.images:
+        raise InvalidRequestError("images are not supported", "images")
+    if body.suffix:
+        raise InvalidRequestError("suffix is not supported", "suffix")
+    prompt = body.prompt or ""
+    start: Any = None
+    if prompt:
+        if body.raw:
+            def start(engine: Any, o: dict[str, Any]) -> Any:
+                return engine.complete(prompt, **o)
+        else:
+            messages = ([{"role": "system", "content": body.system}] if body.system else [])
+            messages.append({"role": "user", "content": prompt})
+
+            def start(engine: Any, o: dict[str, Any]) -> Any:
+                return engine.chat(messages, **o)
+
+    def shape(text: str) -> dict[str, Any]:
+        return {"model": body.model, "created_at": now_iso(), "response": text}
+
+    return await _generate(request, state, body, start, shape)
+
+
+def _model_entry(ref: str, path: Any, size: int, config: dict[str, Any],
+                 quant: str) -> dict[str, Any]:
+    try:
+        modified = iso(path.stat().st_mtime)
+    except OSError:
+        modified = now_iso()
+    return {"name": ref, "model": ref, "modified_at": modified, "size": size,
+            "digest": digest(f"{ref}:{path}"), "details": details(config, quant)}
+
+
+@router.get("/tags")
+async def tags(request: Request) -> JSONResponse:
+    state = state_of(request)
+    models = [_model_entry(m.ref, m.path, m.size_bytes, m.config, m.quantization)
+              for m in state.pool.stored()]
+    return JSONResponse({"models": models})
+
+
+@router.post("/show")
+async def show(request: Request) -> JSONResponse:
+    state = state_of(request)
+    body = p.OllamaModelRequest.model_validate_json(await read_body(request))
+    if not body.ref:
+        raise InvalidRequestError("model is required", "model")
+    ref, path = state.pool.resolve(body.ref)
+    from localchat.engine import model_dir as md
+    from localchat.engine.generation_config import GenerationConfig
+
+    config = md.load_config(path)
+    quant = str(config.get("quantization") or "")
+    defaults = GenerationConfig.from_model_defaults(path)
+    params = "\n".join(f"{k} {getattr(defaults, k)}" for k in
+                       ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"))
+    template_file = path / "chat_template.jinja"
+    template = (template_file.read_text(encoding="utf-8") if template_file.is_file()
+                else str(config.get("template") or ""))
+    arch = str(config.get("architecture") or "unknown")
+    info: dict[str, Any] = {"general.architecture": arch}
+    for key, value in (config.get("model_config") or {}).items():
+        if isinstance(value, (int, float, str, bool)):
+            info[f"{arch}.{key}"] = value
+    info[f"{arch}.context_length"] = config.get("context_window_size")
+    entry = _model_entry(ref, path, 0, config, quant)
+    return JSONResponse({"modelfile": f"# localchat model {ref}\nFROM {ref}\n",
+                         "parameters": params, "template": template,
+                         "details": entry["details"], "model_info": info,
+                         "capabilities": ["completion"], "modified_at": entry["modified_at"]})
+
+
+@router.get("/ps")
+async def ps(request: Request) -> JSONResponse:
+    state = state_of(request)
+    models = []
+    for loaded in state.pool.loaded.values():
+        quant = str(loaded.config.get("quantization") or "")
+        entry = _model_entry(loaded.ref, loaded.path, loaded.size_bytes, loaded.config, quant)
+        entry["expires_at"] = iso(loaded.expires_at) if loaded.expires_at else FAR_FUTURE
+        entry["size_vram"] = 0
+        entry["context_length"] = loaded.engine.context_window
+        entry.pop("modified_at")
+        models.append(entry)
+    return JSONResponse({"models": models})
+
+
+@router.get("/version")
+async def version() -> JSONResponse:
+    return JSONResponse({"version": __version__})
+
+
+class _QueueProgress:
+    """A DownloadProgress that forwards pull progress to the event loop as status lines."""
+
+    def __init__(self, put: Any) -> None:
+        self.put = put
+        self.sizes: dict[str, int | None] = {}
+        self.done: dict[str, int] = {}
+
+    def begin(self, files: Any, done_bytes: int) -> None:
+        self.sizes = dict(files)
+
+    def file_begin(self, path: str, size: int | None, done: int) -> None:
+        self.sizes[path] = size
+        self.done[path] = done
+        self._emit(path)
+
+    def advance(self, path: str, nbytes: int) -> None:
+        self.done[path] = self.done.get(path, 0) + nbytes
+        self._emit(path)
+
+    def file_end(self, path: str) -> None:
+        size = self.sizes.get(path)
+        if size is not None:
+            self.done[path] = size
+        self._emit(path)
+
+    def end(self) -> None:
+        self.put({"status": "verifying sha256 digest"})
+
+    def _emit(self, path: str) -> None:
+        line: dict[str, Any] = {"status": f"pulling {path}", "digest": path,
+                                "completed": self.done.get(path, 0)}
+        if self.sizes.get(path) is not None:
+            line["total"] = self.sizes[path]
+        self.put(line)
+
+
+@router.post("/pull")
+async def pull(request: Request) -> Response:
+    state = state_of(request)
+    body = p.OllamaPullRequest.model_validate_json(await read_body(request))
+    if not body.ref:
+        raise InvalidRequestError("model is required", "model")
+    from localchat.downloader.pull import engine_hooks, parse_source
+    from localchat.downloader.pull import pull as run_pull
+
+    ref = body.ref
+    if ref.startswith((".", "/", "~")):
+        raise ModelNotFoundError(f"the model {ref!r} cannot be pulled over the API: name a "
+                                 f"model or a hub repo")
+    parse_source(ref)  # an unknown name is a 404 before anything streams
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+
+    def put(line: dict[str, Any] | None) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, line)
+
+    def work() -> None:
+        put({"status": "pulling manifest"})  # Ollama's first line, before anything is resolved
+        try:
+            store = state.pool.store
+            hooks = engine_hooks(state.config.device, store, lambda m: put({"status": m}))
+            result = run_pull(ref, hooks=hooks, store=store, progress=_QueueProgress(put),
+                              log=lambda m: put({"status": m}))
+            put({"status": "writing manifest"})
+            put({"status": result.summary()})
+            put({"status": "success"})
+        except LocalchatError as exc:
+            put({"error": str(exc)})
+        except Exception as exc:  # noqa: BLE001 - reported to the client, the server goes on
+            put({"error": f"pull failed: {type(exc).__name__}: {exc}"})
+        finally:
+            put(None)
+
+    task = loop.run_in_executor(None, work)
+
+    async def lines() -> AsyncIterator[str]:
+        while (line := await queue.get()) is not None:
+            yield json.dumps(line) + "\n"
+        await task
+
+    if body.stream is False:
+        last: dict[str, Any] = {}
+        async for text in lines():
+            last = json.loads(text)
+            if "error" in last:
+                raise LocalchatError(last["error"])
+        return JSONResponse({"status": last.get("status", "success")})
+    return StreamingResponse(lines(), media_type=NDJSON)

@@ -1,0 +1,513 @@
+"""The OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models, and the
+tokenizer helpers /tokenize and /detokenize."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+
+from localchat.engine.stream import FinishEvent, ReplyStream, TokenEvent
+from localchat.errors import ContextWindowError, InvalidRequestError, LocalchatError
+from localchat.server import protocol as p
+from localchat.server.state import ServerState, read_body, state_of
+from localchat.server.streaming import (
+    Choice,
+    ReplyStreamingResponse,
+    Tracker,
+    cancel_on_disconnect,
+    collect,
+    merged,
+    prepend,
+)
+
+router = APIRouter()
+log = logging.getLogger("localchat.server")
+FINGERPRINT = "fp_localchat"
+MAX_STOP = 4
+MAX_TOP_LOGPROBS = 20
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+# -- request checks ------------------------------------------------------------------------------
+def chat_messages(messages: Sequence[p.ChatMessage]) -> list[dict[str, str]]:
+    """OpenAI messages as the engine's {role, content} dicts (text only)."""
+    out: list[dict[str, str]] = []
+    for i, m in enumerate(messages):
+        role = "system" if m.role == "developer" else m.role
+        if role in ("tool", "function"):
+            raise InvalidRequestError(
+                f"messages[{i}]: role {role!r} needs tool calling, which this server does not "
+                f"support", f"messages[{i}].role")
+        if m.tool_calls:
+            raise InvalidRequestError(f"messages[{i}]: tool calls are not supported",
+                                      f"messages[{i}].tool_calls")
+        content = m.content
+        if content is None:
+            if role != "assistant":
+                raise InvalidRequestError(f"messages[{i}]: content is required",
+                                          f"messages[{i}].content")
+            content = ""
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise InvalidRequestError(
+                        f"messages[{i}].content[{j}]: only text parts are supported, got "
+                        f"{part.type!r}", f"messages[{i}].content[{j}].type")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        out.append({"role": role, "content": content})
+    return out
+
+
+def sampling(body: p.SamplingParams, max_tokens: int | None, max_param: str) -> dict[str, Any]:
+    """The engine overrides for a request's sampling fields."""
+    out: dict[str, Any] = {}
+    if body.temperature is not None and not 0 <= body.temperature <= 2:
+        raise InvalidRequestError(f"temperature must be in [0, 2], got {body.temperature}",
+                                  "temperature")
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                 "presence_penalty", "frequency_penalty"):
+        value = getattr(body, name)
+        if value is not None:
+            out[name] = value
+    if body.logit_bias:
+        out["logit_bias"] = dict(body.logit_bias)
+    if body.seed is not None:
+        out["seed"] = body.seed % 2**64
+    if max_tokens is not None:
+        if max_tokens < 1:
+            raise InvalidRequestError(f"{max_param} must be at least 1, got {max_tokens}",
+                                      max_param)
+        out["max_tokens"] = max_tokens
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stop) > MAX_STOP:
+        raise InvalidRequestError(f"stop takes at most {MAX_STOP} sequences, got {len(stop)}",
+                                  "stop")
+    if any(not s for s in stop):
+        raise InvalidRequestError("stop sequences must not be empty", "stop")
+    if stop:
+        out["stop"] = tuple(stop)
+    return out
+
+
+def check_n(body: p.SamplingParams, state: ServerState) -> int:
+    if not 1 <= body.n <= state.config.max_n:
+        raise InvalidRequestError(f"n must be in [1, {state.config.max_n}], got {body.n}", "n")
+    return body.n
+
+
+def check_stream_options(body: p.SamplingParams) -> bool:
+    if body.stream_options is not None and not body.stream:
+        raise InvalidRequestError("stream_options is only allowed when stream is true",
+                                  "stream_options")
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+def check_window(engine: Any, prompt_tokens: int, max_tokens: int | None, param: str,
+                 what: str = "messages") -> None:
+    """OpenAI's context-length error when the prompt plus max_tokens exceed the window."""
+    window = engine.context_window
+    if max_tokens is not None and prompt_tokens + max_tokens > window:
+        total = prompt_tokens + max_tokens
+        raise ContextWindowError(
+            f"This model's maximum context length is {window} tokens. However, you requested "
+            f"{total} tokens ({prompt_tokens} in the {what}, {max_tokens} in the completion). "
+            f"Please reduce the length of the {what} or completion.",
+            prompt_tokens=total, context_window=window, param=param)
+
+
+def submit(count: int, seed: int | None,
+           start: Callable[[dict[str, Any]], ReplyStream]) -> list[ReplyStream]:
+    """Start `count` replies (seeds seed, seed+1, ...); on a failure cancel the started ones."""
+    streams: list[ReplyStream] = []
+    try:
+        for i in range(count):
+            extra = {"seed": (seed + i) % 2**64} if seed is not None and i else {}
+            streams.append(start(extra))
+    except BaseException:
+        for stream in streams:
+            stream.cancel()
+        raise
+    return streams
+
+
+def finish_reason(event: FinishEvent | None) -> str:
+    reason = event.finish_reason if event is not None else "stop"
+    return "length" if reason == "length" else "stop"
+
+
+def usage_of(choices: Sequence[Choice], prompts: int = 1) -> p.Usage:
+    """Usage: the prompt counted once per distinct prompt, every choice's completion."""
+    finished = [c.finish for c in choices if c.finish is not None]
+    step = max(1, len(choices) // max(1, prompts))
+    prompt = sum(c.finish.reply.stats.prompt_tokens for c in choices[::step]
+                 if c.finish is not None)
+    completion = sum(f.reply.stats.completion_tokens for f in finished)
+    return p.Usage(prompt_tokens=prompt, completion_tokens=completion,
+                   total_tokens=prompt + completion)
+
+
+def token_str(tokenizer: Any, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+def chat_logprob(tokenizer: Any, event: TokenEvent) -> p.TokenLogprob:
+    text = token_str(tokenizer, event.token_id)
+    top = [p.TopLogprob(token=(t := token_str(tokenizer, tid)), logprob=lp,
+                        bytes=list(t.encode("utf-8")))
+           for tid, lp in (event.top_logprobs or ())]
+    return p.TokenLogprob(token=text, logprob=float(event.logprob or 0.0),
+                          bytes=list(text.encode("utf-8")), top_logprobs=top)
+
+
+def sse(model: BaseModel | dict[str, Any], drop_none: Sequence[str] = ()) -> str:
+    data = model.model_dump() if isinstance(model, BaseModel) else dict(model)
+    for key in drop_none:
+        if data.get(key) is None:
+            data.pop(key, None)
+    for choice in data.get("choices", []):  # a delta carries only what it changes
+        if isinstance(choice.get("delta"), dict):
+            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def sse_error(exc: BaseException) -> str:
+    """An error after the stream started (the status is sent): one `data:` error event."""
+    log.error("a streamed reply failed: %s: %s", type(exc).__name__, exc)
+    error = exc if isinstance(exc, LocalchatError) else LocalchatError(
+        f"internal server error ({type(exc).__name__})")
+    return f"data: {json.dumps({'error': error.to_dict()})}\n\n"
+
+
+# -- chat ------------------------------------------------------------------------------------------
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    state = state_of(request)
+    started = time.perf_counter()
+    body = p.ChatCompletionRequest.model_validate_json(await read_body(request))
+    messages = chat_messages(body.messages)
+    if body.response_format is not None and body.response_format.type != "text":
+        raise InvalidRequestError(
+            f"response_format {body.response_format.type!r} is not supported yet (structured "
+            f"output comes later); use 'text'", "response_format")
+    if body.tools or body.functions:
+        raise InvalidRequestError("tool calling is not supported by this server",
+                                  "tools" if body.tools else "functions")
+    include_usage = check_stream_options(body)
+    if body.max_completion_tokens is not None:
+        max_tokens, max_param = body.max_completion_tokens, "max_completion_tokens"
+    else:
+        max_tokens, max_param = body.max_tokens, "max_tokens"
+    if body.top_logprobs is not None:
+        if not body.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs set to true", "top_logprobs")
+        if not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.top_logprobs}",
+                "top_logprobs")
+    overrides = sampling(body, max_tokens, max_param)
+    if body.logprobs:
+        overrides["logprobs"] = body.top_logprobs or 0
+    n = check_n(body, state)
+    loaded = await state.pool.acquire(body.model)
+    release: Any = loaded
+    try:
+        engine = loaded.engine
+        if max_tokens is not None:
+            check_window(engine, engine.count_tokens(messages), max_tokens, max_param)
+        try:
+            streams = submit(n, body.seed,
+                             lambda extra: engine.chat(messages, **{**overrides, **extra}))
+        except ContextWindowError as exc:
+            window = exc.context_window or engine.context_window
+            raise ContextWindowError(
+                f"This model's maximum context length is {window} tokens. However, your "
+                f"messages need {exc.prompt_tokens} tokens (with room for the reply). Please "
+                f"reduce the length of the messages.", prompt_tokens=exc.prompt_tokens,
+                context_window=window, param="messages") from None
+        tracker = Tracker(state.metrics, loaded.ref, started)
+        events = merged(streams, tracker)
+        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        tokenizer = engine.tokenizer
+        if not body.stream:
+            async with cancel_on_disconnect(request, streams):
+                choices = await collect(events, n)
+            result = p.ChatCompletion(
+                id=cid, created=created, model=body.model, system_fingerprint=FINGERPRINT,
+                choices=[p.ChatChoice(
+                    index=c.index, message=p.AssistantMessage(content=c.text),
+                    logprobs=p.ChoiceLogprobs(content=[chat_logprob(tokenizer, t)
+                                                       for t in c.tokens])
+                    if body.logprobs else None,
+                    finish_reason=finish_reason(c.finish)) for c in choices],
+                usage=usage_of(choices))
+            return JSONResponse(result.model_dump())
+        async with cancel_on_disconnect(request, streams):
+            first = await anext(events)  # an error before any token is still a status
+        chunks = chat_chunks(prepend(first, events), n, cid, created, body.model, include_usage,
+                             body.logprobs, tokenizer)
+        response = ReplyStreamingResponse(chunks, streams, on_close=lambda: state.pool.release(
+            loaded), headers=SSE_HEADERS)
+        release = None
+        return response
+    finally:
+        if release is not None:
+            await state.pool.release(loaded)
+
+
+async def chat_chunks(events: AsyncIterator[tuple[int, TokenEvent | FinishEvent]], n: int,
+                      cid: str, created: int, model: str, include_usage: bool, logprobs: bool,
+                      tokenizer: Any) -> AsyncIterator[str]:
+    base: dict[str, Any] = {"id": cid, "created": created, "model": model,
+                            "system_fingerprint": FINGERPRINT}
+
+    def chunk(index: int, delta: p.Delta, reason: str | None = None,
+              lps: list[p.TokenLogprob] | None = None) -> str:
+        choice = p.ChunkChoice(index=index, delta=delta, finish_reason=reason,
+                               logprobs=p.ChoiceLogprobs(content=lps) if lps is not None else None)
+        return sse(p.ChatCompletionChunk(**base, choices=[choice]), drop_none=("usage",))
+
+    choices = [Choice(i) for i in range(n)]
+    pending: list[list[p.TokenLogprob]] = [[] for _ in range(n)]
+    try:
+        for i in range(n):
+            yield chunk(i, p.Delta(role="assistant", content=""))
+        async for i, event in events:
+            if isinstance(event, TokenEvent):
+                if logprobs:
+                    pending[i].append(chat_logprob(tokenizer, event))
+                if event.text:
+                    yield chunk(i, p.Delta(content=event.text),
+                                lps=pending[i] if logprobs else None)
+                    pending[i] = []
+                continue
+            choices[i].finish = event
+            if event.text or pending[i]:
+                yield chunk(i, p.Delta(content=event.text), lps=pending[i] if logprobs else None)
+                pending[i] = []
+            yield chunk(i, p.Delta(), finish_reason(event))
+        if include_usage:
+            usage = usage_of(choices)
+            yield sse({**base, "object": "chat.completion.chunk", "choices": [],
+                       "usage": usage.model_dump()})
+        yield "data: [DONE]\n\n"
+    except Exception as exc:  # noqa: BLE001 - the status is sent: report in the stream
+        yield sse_error(exc)
+
+
+# -- text completions ------------------------------------------------------------------------------
+def completion_prompts(body: p.CompletionRequest, tokenizer: Any) -> list[str]:
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise InvalidRequestError("prompt must not be empty", "prompt")
+    if all(isinstance(x, str) for x in prompt):
+        return list(prompt)  # type: ignore[arg-type]
+    if all(isinstance(x, int) for x in prompt):
+        return [tokenizer.decode(prompt)]
+    return [tokenizer.decode(ids) for ids in prompt]  # type: ignore[arg-type]
+
+
+def completion_logprobs(tokenizer: Any, tokens: Sequence[TokenEvent],
+                        start: int = 0) -> p.CompletionLogprobs:
+    strs, lps, tops, offsets = [], [], [], []
+    offset = start
+    for event in tokens:
+        text = token_str(tokenizer, event.token_id)
+        strs.append(text)
+        lps.append(event.logprob)
+        tops.append({token_str(tokenizer, tid): lp for tid, lp in (event.top_logprobs or ())})
+        offsets.append(offset)
+        offset += len(text)
+    return p.CompletionLogprobs(tokens=strs, token_logprobs=lps, top_logprobs=tops,
+                                text_offset=offsets)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    state = state_of(request)
+    started = time.perf_counter()
+    body = p.CompletionRequest.model_validate_json(await read_body(request))
+    include_usage = check_stream_options(body)
+    if body.suffix:
+        raise InvalidRequestError("suffix is not supported", "suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise InvalidRequestError("best_of is not supported (leave it unset or equal to n)",
+                                  "best_of")
+    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequestError(
+            f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.logprobs}", "logprobs")
+    overrides = sampling(body, body.max_tokens, "max_tokens")
+    if body.logprobs is not None:
+        overrides["logprobs"] = body.logprobs
+    n = check_n(body, state)
+    loaded = await state.pool.acquire(body.model)
+    release: Any = loaded
+    try:
+        engine = loaded.engine
+        prompts = completion_prompts(body, engine.tokenizer)
+        if len(prompts) * n > state.config.max_n:
+            raise InvalidRequestError(
+                f"prompts × n must be at most {state.config.max_n}, got {len(prompts) * n}",
+                "prompt")
+        for text in prompts:
+            if not text:
+                raise InvalidRequestError("the prompt is empty", "prompt")
+            if body.max_tokens is not None:
+                count = len(engine.planner.encode(text, raw=True))
+                check_window(engine, count, body.max_tokens, "max_tokens", "prompt")
+        streams: list[ReplyStream] = []
+        try:
+            for text in prompts:
+                streams += submit(
+                    n, body.seed,
+                    lambda extra, t=text: engine.complete(t, **{**overrides, **extra}))
+        except BaseException:
+            for stream in streams:
+                stream.cancel()
+            raise
+        count = len(streams)
+        echo = [prompts[i // n] if body.echo else "" for i in range(count)]
+        tracker = Tracker(state.metrics, loaded.ref, started)
+        events = merged(streams, tracker)
+        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        tokenizer = engine.tokenizer
+        if not body.stream:
+            async with cancel_on_disconnect(request, streams):
+                choices = await collect(events, count)
+            result = p.Completion(
+                id=cid, created=created, model=body.model, system_fingerprint=FINGERPRINT,
+                choices=[p.CompletionChoice(
+                    index=c.index, text=echo[c.index] + c.text,
+                    logprobs=completion_logprobs(tokenizer, c.tokens, len(echo[c.index]))
+                    if body.logprobs is not None else None,
+                    finish_reason=finish_reason(c.finish)) for c in choices],
+                usage=usage_of(choices, len(prompts)))
+            return JSONResponse(result.model_dump())
+        async with cancel_on_disconnect(request, streams):
+            first = await anext(events)
+        chunks = completion_chunks(prepend(first, events), echo, cid, created, body.model,
+                                   include_usage, body.logprobs is not None, tokenizer,
+                                   len(prompts))
+        response = ReplyStreamingResponse(chunks, streams, on_close=lambda: state.pool.release(
+            loaded), headers=SSE_HEADERS)
+        release = None
+        return response
+    finally:
+        if release is not None:
+            await state.pool.release(loaded)
+
+
+async def completion_chunks(events: AsyncIterator[tuple[int, TokenEvent | FinishEvent]],
+                            echo: list[str], cid: str, created: int, model: str,
+                            include_usage: bool, logprobs: bool, tokenizer: Any,
+                            prompts: int) -> AsyncIterator[str]:
+    base: dict[str, Any] = {"id": cid, "created": created, "model": model,
+                            "system_fingerprint": FINGERPRINT}
+
+    def chunk(index: int, text: str, reason: str | None = None,
+              tokens: Sequence[TokenEvent] = ()) -> str:
+        lps = completion_logprobs(tokenizer, tokens) if logprobs else None
+        choice = p.CompletionChoice(index=index, text=text, logprobs=lps, finish_reason=reason)
+        return sse(p.Completion(**base, choices=[choice]), drop_none=("usage",))
+
+    choices = [Choice(i) for i in range(len(echo))]
+    pending: list[list[TokenEvent]] = [[] for _ in echo]
+    try:
+        for i, text in enumerate(echo):
+            if text:
+                yield chunk(i, text)
+        async for i, event in events:
+            if isinstance(event, TokenEvent):
+                pending[i].append(event)
+                if event.text:
+                    yield chunk(i, event.text, tokens=pending[i])
+                    pending[i] = []
+                continue
+            choices[i].finish = event
+            yield chunk(i, event.text, finish_reason(event), pending[i])
+            pending[i] = []
+        if include_usage:
+            yield sse({**base, "object": "text_completion", "choices": [],
+                       "usage": usage_of(choices, prompts).model_dump()})
+        yield "data: [DONE]\n\n"
+    except Exception as exc:  # noqa: BLE001 - the status is sent: report in the stream
+        yield sse_error(exc)
+
+
+# -- models and tokenizer ----------------------------------------------------------------------
+def model_cards(state: ServerState) -> list[p.ModelCard]:
+    cards: dict[str, p.ModelCard] = {}
+    for m in state.pool.stored():
+        cards[m.ref] = p.ModelCard(id=m.ref, created=_mtime(m.path))
+    for loaded in state.pool.loaded.values():
+        cards.setdefault(loaded.ref, p.ModelCard(id=loaded.ref, created=int(loaded.loaded_at)))
+    return list(cards.values())
+
+
+def _mtime(path: Any) -> int:
+    try:
+        return int(path.stat().st_mtime)
+    except OSError:
+        return 0
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> JSONResponse:
+    return JSONResponse(p.ModelList(data=model_cards(state_of(request))).model_dump())
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, request: Request) -> JSONResponse:
+    state = state_of(request)
+    ref, path = state.pool.resolve(model_id)
+    return JSONResponse(p.ModelCard(id=ref, created=_mtime(path)).model_dump())
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> JSONResponse:
+    state = state_of(request)
+    body = p.TokenizeRequest.model_validate_json(await read_body(request))
+    if (body.prompt is None) == (body.messages is None):
+        raise InvalidRequestError("give exactly one of 'prompt' and 'messages'", "prompt")
+    loaded = await state.pool.acquire(body.model)
+    try:
+        engine = loaded.engine
+        if body.messages is not None:
+            text = engine.template.render(chat_messages(body.messages), add_generation_prompt=True)
+            ids = engine.planner.encode(text)
+        elif body.add_special_tokens:
+            ids = engine.planner.encode(body.prompt, raw=True)
+        else:
+            ids = engine.tokenizer.encode(body.prompt)
+        return JSONResponse({"tokens": ids, "count": len(ids),
+                             "max_model_len": engine.context_window})
+    finally:
+        await state.pool.release(loaded)
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> JSONResponse:
+    state = state_of(request)
+    body = p.DetokenizeRequest.model_validate_json(await read_body(request))
+    loaded = await state.pool.acquire(body.model)
+    try:
+        engine = loaded.engine
+        for i, t in enumerate(body.tokens):
+            if not 0 <= t < engine.vocab_size:
+                raise InvalidRequestError(
+                    f"tokens[{i}] = {t} is outside the vocabulary (size {engine.vocab_size})",
+                    f"tokens[{i}]")
+        return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens)})
+    finally:
+        await state.pool.release(loaded)
