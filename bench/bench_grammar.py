@@ -83,7 +83,13 @@ def decode_run(engine: Engine, fmt: dict | None, tokens: int) -> tuple[float, fl
     return step_ms, reply.stats.decode_tok_s
 
 
+def median_run(runs: list[tuple[float, float]]) -> tuple[float, float]:
+    """The run with the median step time."""
+    return sorted(runs)[len(runs) // 2]
+
+
 def main() -> None:
+    """Print the table."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--device", default="cpu")
@@ -91,8 +97,7 @@ def main() -> None:
     args = ap.parse_args()
     with Engine.open(args.model or default_model(), device=args.device) as engine:
         engine.chat(PROMPT, max_tokens=4, temperature=0).result()  # warm up
-        free_ms, free_tps = statistics.median(
-            [decode_run(engine, None, args.tokens) for _ in range(3)], key=lambda r: r[0])
+        free_ms, free_tps = median_run([decode_run(engine, None, args.tokens) for _ in range(3)])
         print(f"model {engine.name}, vocab {engine.vocab_size}, device {args.device}")
         print(f"free text: decode step {free_ms:.2f} ms (model + sampling), {free_tps:.1f} tok/s")
         print()
@@ -100,8 +105,7 @@ def main() -> None:
               f"{'mask/step':>10} {'step ms':>8} {'tok/s':>7}")
         for name, (fmt, text) in FORMATS.items():
             compile_ms, mask_us, accept_us, _n = mask_cost(engine, fmt, text)
-            step_ms, tps = statistics.median(
-                [decode_run(engine, fmt, args.tokens) for _ in range(3)], key=lambda r: r[0])
+            step_ms, tps = median_run([decode_run(engine, fmt, args.tokens) for _ in range(3)])
             share = (mask_us + accept_us) / 1e3 / free_ms
             print(f"{name:<12} {compile_ms:>10.1f} {mask_us:>12.1f} {accept_us:>10.1f} "
                   f"{share:>9.1%} {step_ms:>8.2f} {tps:>7.1f}")

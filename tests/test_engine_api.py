@@ -157,7 +157,9 @@ def test_cancel_from_the_event_loop(engine: Engine) -> None:
 
     reply, seen = asyncio.run(main())
     assert reply.finish_reason == "cancelled"
-    assert seen <= 5  # stops within a step or two of the cancel
+    # Tokens the scheduler made before the loop got to cancel() are still delivered; how many
+    # depends on the machine's load, so the bound is loose: an ignored cancel would give 200.
+    assert seen <= 50 and reply.stats.completion_tokens <= 50
 
 
 def test_cancelling_the_consuming_task_cancels_the_reply(engine: Engine) -> None:

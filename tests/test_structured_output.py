@@ -201,6 +201,18 @@ def test_json_mode_replies_are_json_objects(engine: Engine) -> None:
             assert reply.text.lstrip().startswith("{")
 
 
+def test_json_mode_allows_only_an_object(engine: Engine) -> None:
+    from localchat.engine.grammar import TokenConstraint
+
+    compiled = engine.grammars.compile({"type": "json_object"})
+    allowed = TokenConstraint(compiled, engine.vocab_size, engine.stop_token_ids).allowed()
+    tok = engine.tokenizer
+    assert allowed[tok.encode("{")[0]]
+    for text in ("[", "1", '"', "null"):
+        assert not allowed[tok.encode(text)[0]], text
+    assert not any(allowed[t] for t in engine.stop_token_ids)
+
+
 def test_max_tokens_cuts_a_prefix_with_length(engine: Engine) -> None:
     schema = SCHEMAS[0]
     full = engine.chat(ask(schema), response_format=schema_format(schema), max_tokens=64,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from localchat.cli.common import report_end, write_reply
@@ -51,7 +52,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="when a chat outgrows the window: drop the oldest turns, or stop with an error",
     )
     p.add_argument("--device", default="auto")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (the reply, its tokens, stats)")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--format", choices=["text", "json"], default=None,
+                     help="json: the reply is a JSON object (constrained token by token)")
+    fmt.add_argument("--json-schema", metavar="FILE",
+                     help="the reply is JSON valid under the JSON Schema in FILE")
+    fmt.add_argument("--grammar", metavar="FILE",
+                     help="the reply is a sentence of the EBNF/GBNF grammar in FILE (rule root)")
     p.add_argument("--stats", action="store_true", help="print timing stats to stderr")
     p.set_defaults(handler=cmd_run)
 
@@ -72,7 +81,55 @@ def sampling_overrides(args: argparse.Namespace) -> dict[str, Any]:
     out = {k: v for k, v in values.items() if v is not None}
     if args.stop:
         out["stop"] = tuple(args.stop)
+    response_format = format_option(args)
+    if response_format is not None:
+        out["response_format"] = response_format
     return out
+
+
+def _read_text_file(path: str, flag: str) -> str:
+    """The UTF-8 text of the file a flag names, or a LocalchatError saying what is wrong."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise LocalchatError(f"{flag}: no such file: {path}") from None
+    except IsADirectoryError:
+        raise LocalchatError(f"{flag}: {path} is a directory, not a file") from None
+    except UnicodeDecodeError as exc:
+        raise LocalchatError(f"{flag}: {path} is not UTF-8 text ({exc.reason})") from None
+    except OSError as exc:
+        raise LocalchatError(f"{flag}: cannot read {path}: {exc.strerror}") from None
+
+
+def format_option(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The response format of --format, --json-schema or --grammar (None: free text)."""
+    if getattr(args, "json_schema", None):
+        text = _read_text_file(args.json_schema, "--json-schema")
+        try:
+            schema = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise LocalchatError(f"--json-schema: {args.json_schema} is not valid JSON: "
+                                 f"{exc.msg} (line {exc.lineno}, column {exc.colno})") from None
+        if not isinstance(schema, (dict, bool)):
+            raise LocalchatError(f"--json-schema: {args.json_schema} must hold a JSON Schema "
+                                 f"object, got {type(schema).__name__}")
+        return {"type": "json_schema", "json_schema": {"schema": schema}}
+    if getattr(args, "grammar", None):
+        text = _read_text_file(args.grammar, "--grammar")
+        if not text.strip():
+            raise LocalchatError(f"--grammar: {args.grammar} is empty")
+        return {"type": "grammar", "grammar": text}
+    if getattr(args, "format", None) == "json":
+        return {"type": "json_object"}
+    return None
+
+
+def _format_flag(args: argparse.Namespace) -> str:
+    if getattr(args, "json_schema", None):
+        return f"--json-schema {args.json_schema}"
+    if getattr(args, "grammar", None):
+        return f"--grammar {args.grammar}"
+    return "--format json"
 
 
 def _valid_utf8(text: str, where: str) -> str:
@@ -133,10 +190,16 @@ def cmd_run(args: argparse.Namespace) -> int:
             from localchat.cli.chat import chat_loop
 
             return chat_loop(engine, engine.conversation(system=args.system), stats=args.stats)
-        if args.raw:
-            stream = engine.complete(message)
-        else:
-            stream = engine.conversation(system=args.system).send(message)
+        try:
+            if args.raw:
+                stream = engine.complete(message)
+            else:
+                stream = engine.conversation(system=args.system).send(message)
+        except InvalidRequestError as exc:
+            if exc.param != "response_format":
+                raise
+            detail = str(exc).split(": ", 1)[-1]
+            raise LocalchatError(f"{_format_flag(args)}: {detail}") from None
         reply = write_reply(stream, echo=not args.json)
         if args.json:
             out = {

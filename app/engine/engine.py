@@ -206,13 +206,23 @@ class Engine:
         config: GenerationConfig | None = None,
         *,
         overflow: OverflowPolicy | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
         **overrides: Any,
     ) -> ReplyStream:
-        """A reply to `messages` on a fresh sequence, freed when it ends (e.g. for a server)."""
+        """A reply to `messages` on a fresh sequence, freed when it ends (e.g. for a server).
+
+        `tools` (OpenAI function definitions) are rendered by a template that supports them;
+        constrain the reply to a call with a "structural_tag" response format.
+        """
         cfg = self.resolve_config(config, overrides)
         if not messages:
             raise InvalidRequestError("messages must not be empty", "messages")
-        plan = self.planner.plan(messages, cfg.max_tokens, overflow=overflow or self.overflow)
+        if tools and not self.template.supports_tools:
+            raise InvalidRequestError(
+                f"the model's chat template ({self.template.name}) does not support tools",
+                "tools")
+        plan = self.planner.plan(messages, cfg.max_tokens, overflow=overflow or self.overflow,
+                                 tools=tools)
         return self.scheduler.submit(self.make_request(plan, cfg))
 
     def complete(
@@ -231,9 +241,11 @@ class Engine:
         request.stop_strings = cfg.stop
         return self.scheduler.submit(request)
 
-    def count_tokens(self, messages: Sequence[Message]) -> int:
+    def count_tokens(
+        self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> int:
         """Tokens of the prompt for `messages` (with the generation prompt) from scratch."""
-        return self.planner.count(messages)
+        return self.planner.count(messages, tools=tools)
 
     def close(self) -> None:
         """Cancel running replies, stop the scheduler thread and free all sequences."""

@@ -9,6 +9,9 @@ grammar allows next and bans everything else; each accepted token advances its m
     {"type": "json_object"}                                  any JSON object
     {"type": "json_schema", "json_schema": {"schema": {...}, "name": ..., "strict": ...}}
     {"type": "grammar", "grammar": "root ::= ..."}           EBNF / GBNF text
+    {"type": "structural_tag", "format": {...}}              xgrammar's structural tag (free
+                                                             text and schema-bound tags; tool
+                                                             calls use it, see server/tools.py)
 
 xgrammar is imported only when a constrained reply is first asked for.
 """
@@ -26,9 +29,10 @@ import numpy as np
 
 from localchat.errors import GenerationError, InvalidRequestError
 
-FORMAT_TYPES = ("text", "json_object", "json_schema", "grammar")
+FORMAT_TYPES = ("text", "json_object", "json_schema", "grammar", "structural_tag")
 PARAM = "response_format"
 CACHE_SIZE = 64  # compiled grammars kept per engine
+JSON_OBJECT_SCHEMA = '{"type": "object"}'  # JSON mode: any object, as OpenAI's json_object
 # xgrammar's C++ errors start with "[12:00:00] /path/file.cc:123: "; keep what follows.
 _NATIVE_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s*\S+:\d+:\s*")
 
@@ -65,6 +69,12 @@ def normalize_response_format(value: Any) -> dict[str, Any] | None:
             raise InvalidRequestError(
                 "response_format.grammar must be non-empty EBNF/GBNF text", PARAM)
         return {"type": "grammar", "grammar": grammar}
+    if kind == "structural_tag":
+        tag = value.get("format")
+        if not isinstance(tag, Mapping):
+            raise InvalidRequestError(
+                'response_format of type "structural_tag" needs a "format" object', PARAM)
+        return {"type": "structural_tag", "format": dict(tag)}
     spec = value.get("json_schema")
     if not isinstance(spec, Mapping):
         raise InvalidRequestError(
@@ -153,16 +163,21 @@ class GrammarCache:
                 return hit
             compiler = self._get_compiler()
             try:
-                if fmt["type"] == "json_object":
-                    compiled = compiler.compile_builtin_json_grammar()
+                if fmt["type"] == "json_object":  # an object (xgrammar's builtin: any value)
+                    compiled = compiler.compile_json_schema(
+                        JSON_OBJECT_SCHEMA, any_whitespace=False, strict_mode=False)
                 elif fmt["type"] == "json_schema":
                     schema = fmt["json_schema"]["schema"]
                     compiled = compiler.compile_json_schema(
                         json.dumps(schema), any_whitespace=False, strict_mode=True)
+                elif fmt["type"] == "structural_tag":
+                    compiled = compiler.compile_structural_tag(json.dumps(
+                        {"type": "structural_tag", "format": fmt["format"]}))
                 else:
                     compiled = compiler.compile_grammar(fmt["grammar"])
             except (RuntimeError, ValueError, TypeError) as exc:
-                what = "JSON schema" if fmt["type"] == "json_schema" else "grammar"
+                what = {"json_schema": "JSON schema", "structural_tag": "structural tag"}.get(
+                    fmt["type"], "grammar")
                 raise InvalidRequestError(
                     f"response_format: the {what} does not compile: {_native_message(exc)}",
                     PARAM) from None
@@ -196,6 +211,7 @@ class TokenConstraint:
         np.copyto(logits, np.float32(-np.inf), where=~self.allowed())
 
     def accept(self, token_id: int) -> None:
+        """Advance the matcher by one sampled token (GenerationError if the grammar refuses)."""
         if self.matcher.is_terminated():
             return
         if not self.matcher.accept_token(int(token_id)):
@@ -203,6 +219,7 @@ class TokenConstraint:
 
     @property
     def terminated(self) -> bool:
+        """Whether the grammar is complete and accepted a stop token."""
         return bool(self.matcher.is_terminated())
 
 

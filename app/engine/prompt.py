@@ -117,9 +117,10 @@ class PromptPlanner:
             ids = [self._bos, *ids]
         return ids
 
-    def count(self, messages: Sequence[Message]) -> int:
+    def count(self, messages: Sequence[Message], tools: Sequence[Message] | None = None) -> int:
         """Tokens of the prompt for `messages` (with the generation prompt) from scratch."""
-        return len(self.encode(self.template.render(messages, add_generation_prompt=True)))
+        return len(self.encode(self.template.render(messages, add_generation_prompt=True,
+                                                    tools=tools)))
 
     def reserve(self, max_tokens: int | None) -> int:
         """Tokens kept free for the reply: the reserve, or max_tokens when smaller."""
@@ -163,12 +164,13 @@ class PromptPlanner:
         overflow: OverflowPolicy,
         held_tokens: Sequence[int] = (),
         held_text: str | None = None,
+        tools: Sequence[Message] | None = None,
     ) -> PromptPlan:
         """Decide what to prefill for `messages` on a sequence holding `held_tokens` (whose text
-        is `held_text`), and apply the overflow policy."""
+        is `held_text`), and apply the overflow policy; `tools` go to the template."""
         check_policy(overflow)
         messages = [dict(m) for m in messages]
-        text = self.template.render(messages, add_generation_prompt=True)
+        text = self.template.render(messages, add_generation_prompt=True, tools=tools)
         new_ids, reused, reset = self.continuation(text, held_tokens, held_text)
         reserve = self.reserve(max_tokens)
         window = self.context_window
@@ -180,7 +182,7 @@ class PromptPlanner:
                     break
                 dropped += len(messages) - len(shorter)
                 messages = shorter
-                text = self.template.render(messages, add_generation_prompt=True)
+                text = self.template.render(messages, add_generation_prompt=True, tools=tools)
                 new_ids, reused, reset = self.encode(text), 0, bool(held_tokens)
             need = reused + len(new_ids)
             if need >= window:

@@ -72,8 +72,26 @@ class ConversationTemplate(ABC):
     stop_token_ids: tuple[int, ...]
 
     @abstractmethod
-    def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages`, ending with the assistant's header when asked."""
+    def render(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text for `messages`, ending with the assistant's header when asked;
+        `tools` (OpenAI function definitions) only for a template that `supports_tools`."""
+
+    @property
+    def supports_tools(self) -> bool:
+        """Whether this template renders tool definitions (a Jinja template that uses `tools`)."""
+        return False
+
+    @property
+    def tool_call_style(self) -> str:
+        """How the model writes a call: "tag" = `<tool_call>\n{"name": .., "arguments": ..}
+        \n</tool_call>` (Qwen2.5, Hermes), "json" = a bare `{"name": .., "parameters": ..}`
+        (Llama 3.1/3.2)."""
+        return "json"
 
     def stops(self, tokenizer: TokenLookup, model_dir: Path | None = None) -> Stops:
         """Stop token ids and stop strings for this template with this tokenizer.
@@ -154,8 +172,15 @@ class BuiltinTemplate(ConversationTemplate):
     default_system: str | None = None
     description: str = ""
 
-    def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
         """The prompt text for `messages`, ending with the assistant's header when asked."""
+        if tools:
+            raise GenerationError(f"template {self.name} does not render tools")
         return self.renderer(self, _normalize(messages), add_generation_prompt)
 
 
@@ -430,7 +455,24 @@ class JinjaTemplate(ConversationTemplate):
     def __repr__(self) -> str:
         return f"JinjaTemplate(name={self.name!r}, {len(self.source)} chars)"
 
-    def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the template renders `tools` (it mentions the variable)."""
+        import re
+
+        return re.search(r"\btools\b", self.source) is not None
+
+    @property
+    def tool_call_style(self) -> str:
+        """"tag" when the template writes calls in <tool_call> tags, else "json"."""
+        return "tag" if "<tool_call>" in self.source else "json"
+
+    def render(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
         """The prompt text for `messages`, ending with the assistant's header when asked."""
         from jinja2 import TemplateError
 
@@ -445,6 +487,7 @@ class JinjaTemplate(ConversationTemplate):
             "tools": None,
             "documents": None,
             **self.variables,
+            **({"tools": [dict(t) for t in tools]} if tools else {}),
             "messages": plain,
             "add_generation_prompt": add_generation_prompt,
         }

@@ -88,9 +88,17 @@ def options(opts: p.OllamaOptions | None) -> dict[str, Any]:
     return out
 
 
-def check_format(fmt: Any) -> None:
-    if fmt not in (None, ""):
-        raise InvalidRequestError("format (JSON output) is not supported yet", "format")
+def format_override(fmt: Any) -> dict[str, Any]:
+    """Ollama's `format` as an engine override: "json" is any JSON object, an object is a JSON
+    schema the reply must match; unset or "" is free text."""
+    if fmt is None or fmt == "":
+        return {}
+    if fmt == "json":
+        return {"response_format": {"type": "json_object"}}
+    if isinstance(fmt, dict):
+        return {"response_format": {"type": "json_schema", "json_schema": {"schema": fmt}}}
+    raise InvalidRequestError(f'format must be "json" or a JSON schema object, got {fmt!r}',
+                              "format")
 
 
 def details(config: dict[str, Any], quant: str) -> dict[str, Any]:
@@ -127,8 +135,7 @@ async def _generate(request: Request, state: ServerState, body: p.OllamaBase,
     """Run one reply for /api/chat or /api/generate; `shape(text)` builds a response body."""
     started = time.perf_counter()
     keep_alive = keep_alive_seconds(body.keep_alive)
-    overrides = options(body.options)
-    check_format(body.format)
+    overrides = {**options(body.options), **format_override(body.format)}
     t0 = time.perf_counter()
     loaded: LoadedModel = await state.pool.acquire(body.model)
     load_s = time.perf_counter() - t0
@@ -136,7 +143,13 @@ async def _generate(request: Request, state: ServerState, body: p.OllamaBase,
     try:
         if start is None:  # no messages / no prompt: just load the model
             return JSONResponse({**shape(""), "done": True, "done_reason": "load"})
-        streams = [start(loaded.engine, overrides)]
+        try:
+            streams = [start(loaded.engine, overrides)]
+        except InvalidRequestError as exc:
+            if exc.param != "response_format":
+                raise
+            raise InvalidRequestError(str(exc).replace("response_format", "format", 1),
+                                      "format") from None
         tracker = Tracker(state.metrics, loaded.ref, started)
         events = merged(streams, tracker)
         if body.stream is False:

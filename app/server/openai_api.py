@@ -27,6 +27,15 @@ from localchat.server.streaming import (
     merged,
     prepend,
 )
+from localchat.server.tools import (
+    Tool,
+    call_format,
+    check_tools,
+    chosen_tools,
+    parse_calls,
+    streamable,
+    tool_messages,
+)
 
 router = APIRouter()
 log = logging.getLogger("localchat.server")
@@ -37,17 +46,18 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 # -- request checks ------------------------------------------------------------------------------
-def chat_messages(messages: Sequence[p.ChatMessage]) -> list[dict[str, str]]:
-    """OpenAI messages as the engine's {role, content} dicts (text only)."""
-    out: list[dict[str, str]] = []
+def chat_messages(messages: Sequence[p.ChatMessage]) -> list[dict[str, Any]]:
+    """OpenAI messages as the engine's {role, content} dicts (text only); an assistant's
+    `tool_calls` and a tool result's `tool_call_id` are kept for a tool-capable template."""
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         role = "system" if m.role == "developer" else m.role
-        if role in ("tool", "function"):
+        if role == "function":
             raise InvalidRequestError(
-                f"messages[{i}]: role {role!r} needs tool calling, which this server does not "
-                f"support", f"messages[{i}].role")
-        if m.tool_calls:
-            raise InvalidRequestError(f"messages[{i}]: tool calls are not supported",
+                f"messages[{i}]: role 'function' (deprecated) is not supported; use tools and "
+                f"role 'tool'", f"messages[{i}].role")
+        if m.tool_calls and role != "assistant":
+            raise InvalidRequestError(f"messages[{i}]: only assistant messages have tool_calls",
                                       f"messages[{i}].tool_calls")
         content = m.content
         if content is None:
@@ -64,8 +74,25 @@ def chat_messages(messages: Sequence[p.ChatMessage]) -> list[dict[str, str]]:
                         f"{part.type!r}", f"messages[{i}].content[{j}].type")
                 texts.append(part.text)
             content = "\n".join(texts)
-        out.append({"role": role, "content": content})
-    return out
+        message: dict[str, Any] = {"role": role, "content": content}
+        if m.tool_calls:
+            message["tool_calls"] = list(m.tool_calls)
+        if role == "tool" and m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
+    return tool_messages(out)
+
+
+def uses_tools(messages: Sequence[dict[str, Any]]) -> bool:
+    """Whether messages hold tool calls or tool results (the template must render them)."""
+    return any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+
+
+def response_format(value: p.ResponseFormat | None) -> dict[str, Any]:
+    """The engine override for a request's response_format (checked by the engine)."""
+    if value is None or value.type == "text":
+        return {}
+    return {"response_format": value.as_format()}
 
 
 def sampling(body: p.SamplingParams, max_tokens: int | None, max_param: str) -> dict[str, Any]:
@@ -141,8 +168,28 @@ def submit(count: int, seed: int | None,
 
 
 def finish_reason(event: FinishEvent | None) -> str:
+    """OpenAI's finish_reason for how a reply ended ("length" or "stop")."""
     reason = event.finish_reason if event is not None else "stop"
     return "length" if reason == "length" else "stop"
+
+
+def chat_message(text: str, event: FinishEvent | None,
+                 calls: ToolPlan | None) -> tuple[p.AssistantMessage, str]:
+    """The assistant message and finish_reason of one finished choice (with its tool calls)."""
+    if calls is not None:
+        content, found = parse_calls(text, calls.style, calls.tools)
+        if found:
+            return (p.AssistantMessage(content=content or None,
+                                       tool_calls=[c.to_dict() for c in found]), "tool_calls")
+    return p.AssistantMessage(content=text), finish_reason(event)
+
+
+class ToolPlan:
+    """How a request's tool calls are written and which functions they may name."""
+
+    def __init__(self, style: str, tools: list[Tool]) -> None:
+        self.style = style
+        self.tools = tools
 
 
 def usage_of(choices: Sequence[Choice], prompts: int = 1) -> p.Usage:
@@ -195,13 +242,17 @@ async def chat_completions(request: Request) -> Response:
     started = time.perf_counter()
     body = p.ChatCompletionRequest.model_validate_json(await read_body(request))
     messages = chat_messages(body.messages)
-    if body.response_format is not None and body.response_format.type != "text":
-        raise InvalidRequestError(
-            f"response_format {body.response_format.type!r} is not supported yet (structured "
-            f"output comes later); use 'text'", "response_format")
-    if body.tools or body.functions:
-        raise InvalidRequestError("tool calling is not supported by this server",
-                                  "tools" if body.tools else "functions")
+    if body.functions or body.function_call is not None:
+        raise InvalidRequestError("functions and function_call (deprecated) are not supported; "
+                                  "use tools and tool_choice",
+                                  "functions" if body.functions else "function_call")
+    tools = check_tools(body.tools)
+    mode, callable_tools = chosen_tools(tools, body.tool_choice)
+    fmt = response_format(body.response_format)
+    if fmt and mode != "none":
+        raise InvalidRequestError("response_format cannot be combined with tool calls (set "
+                                  "tool_choice to \"none\" or leave out tools)",
+                                  "response_format")
     include_usage = check_stream_options(body)
     if body.max_completion_tokens is not None:
         max_tokens, max_param = body.max_completion_tokens, "max_completion_tokens"
@@ -214,7 +265,7 @@ async def chat_completions(request: Request) -> Response:
             raise InvalidRequestError(
                 f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.top_logprobs}",
                 "top_logprobs")
-    overrides = sampling(body, max_tokens, max_param)
+    overrides = {**sampling(body, max_tokens, max_param), **fmt}
     if body.logprobs:
         overrides["logprobs"] = body.top_logprobs or 0
     n = check_n(body, state)
@@ -222,11 +273,22 @@ async def chat_completions(request: Request) -> Response:
     release: Any = loaded
     try:
         engine = loaded.engine
+        template = engine.template
+        plan: ToolPlan | None = None
+        if (tools or uses_tools(messages)) and not template.supports_tools:
+            raise InvalidRequestError(
+                f"the model {loaded.ref} cannot call tools: its chat template "
+                f"({template.name}) does not render them", "tools" if tools else "messages")
+        if mode != "none":
+            plan = ToolPlan(template.tool_call_style, callable_tools)
+            overrides["response_format"] = call_format(plan.style, mode, callable_tools)
+        defs = [t.definition for t in tools] or None
         if max_tokens is not None:
-            check_window(engine, engine.count_tokens(messages), max_tokens, max_param)
+            check_window(engine, engine.count_tokens(messages, tools=defs), max_tokens,
+                         max_param)
         try:
-            streams = submit(n, body.seed,
-                             lambda extra: engine.chat(messages, **{**overrides, **extra}))
+            streams = submit(n, body.seed, lambda extra: engine.chat(
+                messages, tools=defs, **{**overrides, **extra}))
         except ContextWindowError as exc:
             window = exc.context_window or engine.context_window
             raise ContextWindowError(
@@ -241,20 +303,26 @@ async def chat_completions(request: Request) -> Response:
         if not body.stream:
             async with cancel_on_disconnect(request, streams):
                 choices = await collect(events, n)
+            answers = [chat_message(c.text, c.finish, plan) for c in choices]
             result = p.ChatCompletion(
                 id=cid, created=created, model=body.model, system_fingerprint=FINGERPRINT,
                 choices=[p.ChatChoice(
-                    index=c.index, message=p.AssistantMessage(content=c.text),
+                    index=c.index, message=message,
                     logprobs=p.ChoiceLogprobs(content=[chat_logprob(tokenizer, t)
                                                        for t in c.tokens])
                     if body.logprobs else None,
-                    finish_reason=finish_reason(c.finish)) for c in choices],
+                    finish_reason=reason) for c, (message, reason) in zip(choices, answers,
+                                                                           strict=True)],
                 usage=usage_of(choices))
-            return JSONResponse(result.model_dump())
+            data = result.model_dump()
+            for choice in data["choices"]:
+                if choice["message"].get("tool_calls") is None:
+                    choice["message"].pop("tool_calls", None)
+            return JSONResponse(data)
         async with cancel_on_disconnect(request, streams):
             first = await anext(events)  # an error before any token is still a status
         chunks = chat_chunks(prepend(first, events), n, cid, created, body.model, include_usage,
-                             body.logprobs, tokenizer)
+                             body.logprobs, tokenizer, plan)
         response = ReplyStreamingResponse(chunks, streams, on_close=lambda: state.pool.release(
             loaded), headers=SSE_HEADERS)
         release = None
@@ -266,7 +334,10 @@ async def chat_completions(request: Request) -> Response:
 
 async def chat_chunks(events: AsyncIterator[tuple[int, TokenEvent | FinishEvent]], n: int,
                       cid: str, created: int, model: str, include_usage: bool, logprobs: bool,
-                      tokenizer: Any) -> AsyncIterator[str]:
+                      tokenizer: Any, calls: ToolPlan | None = None) -> AsyncIterator[str]:
+    """The SSE chunks of a streamed chat completion. With tool calls possible, text that could
+    open a call is held back; a call is sent whole as a `tool_calls` delta when the choice
+    ends."""
     base: dict[str, Any] = {"id": cid, "created": created, "model": model,
                             "system_fingerprint": FINGERPRINT}
 
@@ -278,6 +349,7 @@ async def chat_chunks(events: AsyncIterator[tuple[int, TokenEvent | FinishEvent]
 
     choices = [Choice(i) for i in range(n)]
     pending: list[list[p.TokenLogprob]] = [[] for _ in range(n)]
+    sent = [0] * n  # characters of each choice's text sent as content (with tool calls)
     try:
         for i in range(n):
             yield chunk(i, p.Delta(role="assistant", content=""))
@@ -285,12 +357,34 @@ async def chat_chunks(events: AsyncIterator[tuple[int, TokenEvent | FinishEvent]
             if isinstance(event, TokenEvent):
                 if logprobs:
                     pending[i].append(chat_logprob(tokenizer, event))
+                if calls is not None:  # send what cannot be the start of a call
+                    choices[i].pieces.append(event.text)
+                    safe = streamable(choices[i].text, calls.style)
+                    if safe > sent[i]:
+                        yield chunk(i, p.Delta(content=choices[i].text[sent[i]:safe]),
+                                    lps=pending[i] if logprobs else None)
+                        sent[i] = safe
+                        pending[i] = []
+                    continue
                 if event.text:
                     yield chunk(i, p.Delta(content=event.text),
                                 lps=pending[i] if logprobs else None)
                     pending[i] = []
                 continue
             choices[i].finish = event
+            if calls is not None:
+                text = choices[i].text + event.text
+                message, reason = chat_message(text, event, calls)
+                rest = text[sent[i]:streamable(text, calls.style) if message.tool_calls
+                            else len(text)]
+                if rest or pending[i]:
+                    yield chunk(i, p.Delta(content=rest), lps=pending[i] if logprobs else None)
+                    pending[i] = []
+                if message.tool_calls:
+                    yield chunk(i, p.Delta(tool_calls=[
+                        {"index": k, **call} for k, call in enumerate(message.tool_calls)]))
+                yield chunk(i, p.Delta(), reason)
+                continue
             if event.text or pending[i]:
                 yield chunk(i, p.Delta(content=event.text), lps=pending[i] if logprobs else None)
                 pending[i] = []
@@ -347,7 +441,8 @@ async def completions(request: Request) -> Response:
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_TOP_LOGPROBS:
         raise InvalidRequestError(
             f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.logprobs}", "logprobs")
-    overrides = sampling(body, body.max_tokens, "max_tokens")
+    overrides = {**sampling(body, body.max_tokens, "max_tokens"),
+                 **response_format(body.response_format)}
     if body.logprobs is not None:
         overrides["logprobs"] = body.logprobs
     n = check_n(body, state)

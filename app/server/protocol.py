@@ -32,6 +32,7 @@ class ChatMessage(_Request):
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
 
 
 class StreamOptions(_Request):
@@ -39,7 +40,15 @@ class StreamOptions(_Request):
 
 
 class ResponseFormat(_Request):
-    type: Literal["text", "json_object", "json_schema"]
+    """OpenAI's response_format, plus {"type": "grammar", "grammar": "<EBNF/GBNF>"}."""
+
+    type: Literal["text", "json_object", "json_schema", "grammar"]
+    json_schema: dict[str, Any] | None = None
+    grammar: str | None = None
+
+    def as_format(self) -> dict[str, Any]:
+        """The engine's response_format for this object."""
+        return self.model_dump(exclude_none=True)
 
 
 class SamplingParams(_Request):
@@ -81,6 +90,7 @@ class CompletionRequest(SamplingParams):
     logprobs: int | None = None
     suffix: str | None = None
     best_of: int | None = None
+    response_format: ResponseFormat | None = None
 
 
 class TokenizeRequest(_Request):
@@ -124,6 +134,7 @@ class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(_Response):
@@ -146,6 +157,7 @@ class ChatCompletion(_Response):
 class Delta(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChunkChoice(_Response):

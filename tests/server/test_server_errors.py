@@ -33,8 +33,8 @@ CASES = [
     ("image part", "POST", CHAT, chat(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), 400,
      "messages[0].content[0].type", None),
-    ("tool message", "POST", CHAT, chat(messages=[{"role": "tool", "content": "x"}]), 400,
-     "messages[0].role", None),
+    ("tool result without a call", "POST", CHAT,
+     chat(messages=[{"role": "tool", "content": "x"}]), 400, "messages", None),
     ("temperature a string", "POST", CHAT, chat(temperature="hot"), 400, "temperature", None),
     ("temperature > 2", "POST", CHAT, chat(temperature=3), 400, "temperature", None),
     ("top_p > 1", "POST", CHAT, chat(top_p=1.5), 400, "top_p", None),
@@ -55,8 +55,10 @@ CASES = [
      "top_logprobs", None),
     ("stream_options no stream", "POST", CHAT, chat(stream_options={"include_usage": True}),
      400, "stream_options", None),
-    ("json mode", "POST", CHAT, chat(response_format={"type": "json_object"}), 400,
-     "response_format", None),
+    ("json_schema without a schema", "POST", CHAT, chat(response_format={"type": "json_schema"}),
+     400, "response_format", None),
+    ("response_format unknown type", "POST", CHAT, chat(response_format={"type": "yaml"}), 400,
+     "response_format.type", None),
     ("tools", "POST", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400,
      "tools", None),
     ("stream with a bad value", "POST", CHAT, chat(stream=True, temperature=-1), 400,
@@ -136,5 +138,5 @@ def test_ollama_errors_are_strings(http: httpx.Client) -> None:
     r = http.post("/api/generate", json={"model": MODEL, "prompt": "x",
                                          "options": {"temperature": "hot"}})
     assert r.status_code == 400 and "temperature" in r.json()["error"]
-    r = http.post("/api/chat", json={"model": MODEL, "messages": MSG, "format": "json"})
+    r = http.post("/api/chat", json={"model": MODEL, "messages": MSG, "format": "xml"})
     assert r.status_code == 400 and isinstance(r.json()["error"], str)
