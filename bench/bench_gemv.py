@@ -4,7 +4,8 @@
                                [--extra NAME=FILE.py:FUNC ...] [--stream-mib 256] [--seconds 1.5]
 
 Shapes are k x n (reduction x outputs); the default is Llama-like: SmolLM2-135M's hidden 576 and
-MLP 1536, and a 1B-class model's 2048 and 8192. Candidates, one column each:
+MLP 1536, and a 1B-class model's 2048 and 8192. Any k works (e.g. 1000x344: 4-bit weights are
+stored padded to whole groups of 32). Candidates, one column each:
 
 * 4-bit modes: `gemv` (generic register unpacking), `gemv avx512` (table-lookup unpacking; only
   where the CPU has AVX-512F) and `linear_q4`, the Llama family's kernel as a model calls it (one
@@ -110,7 +111,7 @@ def main() -> None:
         if mode.quantized:
             words, scale = quantize_q4(w, dtype)
             weights = [words, scale]
-            w = dequantize_q4(words, scale)
+            w = dequantize_q4(words, scale, k)  # stored padded to whole groups when k % 32
         else:
             weights = [w.astype(dtype)]
         nbytes = sum(a.nbytes for a in weights)

@@ -50,13 +50,57 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "head-dim-32": ("LlamaConfig", {"head_dim": 32}),
 }
 
+# Shapes that are not multiples of 32 (tests/test_odd_shapes.py): reductions of 344 or 1000, head
+# dims of 48 or 80, odd vocabularies, a hidden size of 72. One layer each, to keep compiles short.
+ODD_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-odd": (
+        "LlamaConfig",
+        {
+            "vocab_size": 1001,
+            "hidden_size": 72,
+            "intermediate_size": 344,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 3,
+            "num_key_value_heads": 1,
+            "head_dim": 48,
+        },
+    ),
+    "qwen2-odd": (
+        "Qwen2Config",
+        {
+            "vocab_size": 999,
+            "hidden_size": 160,
+            "intermediate_size": 1000,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 80,
+            "use_sliding_window": False,
+            "tie_word_embeddings": True,
+        },
+    ),
+    "mistral-odd": (
+        "MistralConfig",
+        {
+            "vocab_size": 1003,
+            "hidden_size": 96,
+            "intermediate_size": 1000,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "head_dim": 48,
+            "sliding_window": None,
+        },
+    ),
+}
+
 
 def build_variant(name: str) -> Path:
     """Save a random model of variant `name` (seeded, so stable across runs) and return it."""
     import torch
     import transformers
 
-    cls_name, extra = VARIANTS[name]
+    cls_name, extra = VARIANTS[name] if name in VARIANTS else ODD_VARIANTS[name]
     kwargs = {**BASE, **extra}
     digest = hashlib.sha256(
         json.dumps(

@@ -39,6 +39,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "rwkv4-rescale": {"rescale_every": 2},
     # the World vocabulary, so the model directory works with the World tokenizer end to end
     "rwkv4-world": {"vocab_size": 65536, "num_hidden_layers": 2},
+    # sizes that are not multiples of 32 (tests/test_odd_shapes.py; transformers' RWKV needs
+    # attention_hidden_size == hidden_size)
+    "rwkv4-odd": {
+        "vocab_size": 1001,
+        "hidden_size": 72,
+        "attention_hidden_size": 72,
+        "intermediate_size": 344,
+        "num_hidden_layers": 2,  # transformers' RWKV initialisation divides by layers - 1
+    },
 }
 
 # HF name within a block -> BlinkDL name within a block

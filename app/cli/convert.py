@@ -42,6 +42,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         args.quant,
         prefill_chunk_size=args.prefill_chunk_size,
         context_window_size=args.context_window,
+        # compiled before the directory is put in place: a failed compile leaves nothing
+        compile_for=None if args.no_compile else args.device,
         log=log,
     )
     if not args.no_compile:

@@ -3,7 +3,8 @@
 HF weights -> our parameters (fused q/k/v, fused gate/up) -> quantized -> TVM tensor-cache
 shards, plus `localchat-config.json` and the tokenizer files. Everything is checked before the
 first byte is written, built in a temporary sibling directory and renamed into place at the end,
-so a failed conversion leaves the output path as it was.
+so a failed conversion leaves the output path as it was. Given a device (`compile_for`), the
+library is compiled into the temporary directory too, so a failed compile also leaves nothing.
 """
 
 from __future__ import annotations
@@ -134,9 +135,12 @@ def convert_model(
     prefill_chunk_size: int | None = None,
     context_window_size: int | None = None,
     source_info: dict[str, Any] | None = None,
+    compile_for: Any = None,
     log: Callable[[str], None] | None = None,
 ) -> Path:
-    """Build a model directory at `output_dir` from the HF folder `source_dir`."""
+    """Build a model directory at `output_dir` from the HF folder `source_dir`; with
+    `compile_for` (a device name such as "cpu", or a `device.Device`), also compile its library
+    for that device before the directory is put in place."""
     source_dir, output_dir = Path(source_dir), Path(output_dir)
     hf = read_hf_config(source_dir)
     check_hf_config(hf, source_dir)
@@ -183,9 +187,25 @@ def convert_model(
         md.write_config(tmp, meta)
         md.write_manifest(tmp, repair=f"localchat convert {source_dir.resolve()} --quant "
                           f"{mode.name} --output {output_dir.resolve()} --force")
+        if compile_for is not None:
+            # inside the temporary directory: a compile that fails takes it away with it
+            _compile_into(tmp, arch, config, mode, compile_for, log)
         md.share_modes(tmp)
         _replace_dir(tmp, output_dir)
     return output_dir
+
+
+def _compile_into(
+    model_dir: Path, arch: Architecture, config: Any, mode: QuantMode, device: Any,
+    log: Callable[[str], None] | None,
+) -> None:
+    """Compile (or find in a library cache) the library for `device` and link it into the
+    model directory's lib/, where the runtime looks first."""
+    from localchat.engine.compile import model_library
+    from localchat.engine.device import select_device
+
+    dev = select_device(device) if isinstance(device, str) else device
+    model_library(model_dir, arch, config, mode, dev.target, log=log)
 
 
 def param_names(arch: Architecture, config: Any, mode: QuantMode) -> list[str]:

@@ -15,7 +15,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 from tvm.target import Target
 
-from localchat.engine.quantization import GROUP_SIZE, NIBBLES_PER_WORD
+from localchat.engine.quantization import GROUP_SIZE, NIBBLES_PER_WORD, padded_k
 
 __all__ = [
     "GPU_COPY_THREADS",
@@ -25,9 +25,9 @@ __all__ = [
     "NIBBLES_PER_WORD",
     "SCHEDULED_ATTRS",
     "WORDS_PER_GROUP",
-    "check_k",
     "divisor",
     "has_avx512",
+    "padded_k",
     "scheduled",
     "transpose_x",
     "vec_width",
@@ -45,12 +45,6 @@ SCHEDULED_ATTRS = {"tirx.noalias": True, "tirx.is_scheduled": True}
 def scheduled(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """`func` marked as already scheduled (no dlight / default schedule) with no-alias buffers."""
     return func.with_attrs(SCHEDULED_ATTRS)
-
-
-def check_k(k: int) -> None:
-    """A 4-bit reduction must hold whole quantization groups."""
-    if k % GROUP_SIZE != 0:
-        raise ValueError(f"reduction size {k} is not a multiple of {GROUP_SIZE}")
 
 
 def divisor(total: int, options: tuple[int, ...]) -> int:
@@ -82,8 +76,12 @@ def transpose_x(k: int, with_sums: bool):
     """The macro `(x, xp, xs, m)` that prepares x [m, k] for the 4-bit GEMV: xp[r, p, w] =
     x[r, 8 w + p] in float32, so nibble p of 16 consecutive words meets 16 contiguous values of
     x, and, `with_sums`, xs[r, w] = sum_p x[r, 8 w + p] (through which the generic GEMV applies
-    the -8 offset of every nibble once per word instead of once per weight)."""
-    kw = k // NIBBLES_PER_WORD
+    the -8 offset of every nibble once per word instead of once per weight).
+
+    xp and xs span the padded width `padded_k(k)` of the stored weights; past k they hold
+    zeros, so the padding weights meet zeros and the GEMV needs no tail of its own."""
+    kw = padded_k(k) // NIBBLES_PER_WORD
+    padded = padded_k(k) != k
     f32 = "float32"
 
     @T.macro
@@ -92,8 +90,19 @@ def transpose_x(k: int, with_sums: bool):
             if with_sums:
                 xs[r, wd] = T.float32(0)
             for p in range(NIBBLES_PER_WORD):
-                xp[r, p, wd] = T.Cast(f32, x[r, wd * NIBBLES_PER_WORD + p])
+                if padded:
+                    # clamped index: the select may evaluate both arms
+                    xp[r, p, wd] = T.Select(
+                        wd * NIBBLES_PER_WORD + p < k,
+                        T.Cast(f32, x[r, T.min(wd * NIBBLES_PER_WORD + p, k - 1)]),
+                        T.float32(0),
+                    )
+                else:
+                    xp[r, p, wd] = T.Cast(f32, x[r, wd * NIBBLES_PER_WORD + p])
                 if with_sums:
-                    xs[r, wd] = xs[r, wd] + T.Cast(f32, x[r, wd * NIBBLES_PER_WORD + p])
+                    if padded:
+                        xs[r, wd] = xs[r, wd] + xp[r, p, wd]
+                    else:
+                        xs[r, wd] = xs[r, wd] + T.Cast(f32, x[r, wd * NIBBLES_PER_WORD + p])
 
     return macro

@@ -15,6 +15,8 @@ along k; or float weights of the activation dtype):
   is unpacked by a 16-entry table lookup of q - 8 instead (vpermps reads only the low 4 bits of
   each index): 3 instructions per 16 weights instead of 4,
 * a reduction that is not a multiple of 128 ends with a narrower vector of the remaining words,
+* a reduction that is not a multiple of 32 is stored padded to whole groups with zero weights
+  (`quantization`); xp is zero past k, so the padding adds nothing and the loops are the same,
 * parallel over work items; rows of x (the batch) loop inside, so a work item's weights are read
   from memory once per call.
 
@@ -25,6 +27,8 @@ same shape without the unpacking (16-lane loads of W and x, fp32 accumulation).
 
 from __future__ import annotations
 
+import functools
+
 from tvm import tirx
 from tvm.script import tirx as T
 
@@ -33,8 +37,8 @@ from localchat.engine.kernels.common import (
     LANES,
     NIBBLES_PER_WORD,
     WORDS_PER_GROUP,
-    check_k,
     divisor,
+    padded_k,
     scheduled,
     transpose_x,
 )
@@ -81,10 +85,10 @@ def _sum_lanes(acc, vecs: int, first: int = 0):
 
 
 def gemv_q4_macro(k: int, n: int, dtype: str, bias: bool, avx512: bool = False):
-    """The 4-bit GEMV as a macro `(x, w, s, b, y, m)` over buffers x [m, k], w [n, k/8] uint32,
-    s [n, k/32], b [n] (None without `bias`) and y [m, n], for use inside other kernels."""
-    check_k(k)
-    kw = k // NIBBLES_PER_WORD
+    """The 4-bit GEMV as a macro `(x, w, s, b, y, m)` over buffers x [m, k], w [n, kp/8] uint32,
+    s [n, kp/32] (kp = `padded_k(k)`), b [n] (None without `bias`) and y [m, n], for use inside
+    other kernels."""
+    kw = padded_k(k) // NIBBLES_PER_WORD
     nv = kw // LANES  # full vectors of 16 words per row
     tw = kw % LANES  # words of the last, narrower vector (a multiple of 4)
     if avx512 and k > LONG_K:
@@ -197,15 +201,17 @@ def gemv_q4_macro(k: int, n: int, dtype: str, bias: bool, avx512: bool = False):
     return table if avx512 else generic
 
 
+@functools.cache  # parsing the TVMScript is most of a model's export time
 def gemv_q4(k: int, n: int, dtype: str, avx512: bool = False, bias: bool = False) -> tirx.PrimFunc:
-    """y[m, n] = x[m, k] @ dequant(W[n, k/8], S[n, k/32])^T (+ b), m small (decode).
+    """y[m, n] = x[m, k] @ dequant(W[n, kp/8], S[n, kp/32])^T (+ b), m small (decode); kp =
+    `padded_k(k)`, the stored width (columns past k are zero weights).
 
     `avx512`: unpack with a table lookup (the target must have AVX-512F; `common.has_avx512`).
     One row (single-sequence decode) has its own copy of the body with m = 1 known: with
     no-alias buffers LLVM schedules the short-k loops of the dynamic-m body ~1.4x slower
     (k = 512: 34 vs 24 us, Zen 4, 2 threads)."""
     body = gemv_q4_macro(k, n, dtype, bias, avx512)
-    kw, kg = k // NIBBLES_PER_WORD, k // GROUP_SIZE
+    kw, kg = padded_k(k) // NIBBLES_PER_WORD, padded_k(k) // GROUP_SIZE
 
     if bias:
 
@@ -245,11 +251,12 @@ def gemv_q4(k: int, n: int, dtype: str, avx512: bool = False, bias: bool = False
     return scheduled(func)
 
 
+@functools.cache  # parsing the TVMScript is most of a model's export time
 def gemv_f(k: int, n: int, dtype: str) -> tirx.PrimFunc:
-    """y[m, n] = x[m, k] @ W[n, k]^T with float weights of `dtype`, m small (decode)."""
-    if k % LANES != 0:
-        raise ValueError(f"reduction size {k} is not a multiple of {LANES}")
+    """y[m, n] = x[m, k] @ W[n, k]^T with float weights of `dtype`, m small (decode); a k that
+    is not a multiple of 16 ends with a scalar tail."""
     kv = k // LANES
+    kt = k % LANES  # the tail (0 for every common shape: no code for it then)
     vu = divisor(kv, (VEC_UNROLL, 2))
     rb = divisor(n, (ROWS, 2))
 
@@ -270,6 +277,11 @@ def gemv_f(k: int, n: int, dtype: str) -> tirx.PrimFunc:
                             acc[u * LANES + e] = acc[u * LANES + e] + T.Cast(
                                 F32, w[jo * rb + jj, (vo * vu + u) * LANES + e]
                             ) * T.Cast(F32, x[r, (vo * vu + u) * LANES + e])
+                if kt > 0:
+                    for e in range(kt):
+                        acc[e] = acc[e] + T.Cast(F32, w[jo * rb + jj, kv * LANES + e]) * T.Cast(
+                            F32, x[r, kv * LANES + e]
+                        )
                 y[r, jo * rb + jj] = T.Cast(dtype, _sum_lanes(acc, vu))
 
     return scheduled(func)

@@ -11,9 +11,17 @@ along K. A 4-bit weight row is stored as uint32 words, 8 nibbles each, with one 
 small scratch buffer (NB rows) and reuses it for every row of X, so dequantization is fused into
 the kernel and no full-precision copy of a weight exists at run time. A 4-bit call with a single
 row of X (decode) branches at run time to the register-unpacking GEMV of `gemv` instead.
+
+Any reduction size K works: the register tiles cover K // 16 vectors and a K that is not a
+multiple of 16 ends with a scalar tail (no tail code at all for the usual shapes). A 4-bit weight
+whose K is not a multiple of 32 is stored padded to whole groups with zero weights
+(`quantization.padded_k`); the scratch rows are dequantized at the padded width and read only up
+to K.
 """
 
 from __future__ import annotations
+
+import functools
 
 from tvm import tirx
 from tvm.script import tirx as T
@@ -22,7 +30,7 @@ from localchat.engine.kernels.common import (
     GROUP_SIZE,
     LANES,
     NIBBLES_PER_WORD,
-    check_k,
+    padded_k,
     scheduled,
 )
 from localchat.engine.kernels.gemv import gemv_q4_macro
@@ -32,27 +40,30 @@ COL_TILE = 4  # rows of W per register tile
 COL_BLOCK = 16  # rows of W a thread owns at once (dequantized into scratch)
 
 
+@functools.cache  # parsing the TVMScript is most of a model's export time
 def linear_f(k: int, n: int, dtype: str, bias: bool) -> tirx.PrimFunc:
     """Y[m, n] = X[m, k] @ W[n, k]^T (+ b) with float weights of `dtype`, fp32 accumulation."""
-    check_k(k)
     return _linear(k, n, dtype, bias, quantized=False)
 
 
+@functools.cache  # parsing the TVMScript is most of a model's export time
 def linear_q4(k: int, n: int, dtype: str, bias: bool, avx512: bool = False) -> tirx.PrimFunc:
-    """Y[m, n] = X[m, k] @ dequant(Wq[n, k/8], S[n, k/32])^T (+ b), dequantized in-kernel; a call
-    with one row of X runs the decode GEMV of `gemv` instead (`avx512`: its table-lookup form)."""
-    check_k(k)
+    """Y[m, n] = X[m, k] @ dequant(Wq[n, kp/8], S[n, kp/32])^T (+ b), kp = `padded_k(k)`,
+    dequantized in-kernel; a call with one row of X runs the decode GEMV of `gemv` instead
+    (`avx512`: its table-lookup form)."""
     return _linear(k, n, dtype, bias, quantized=True, avx512=avx512)
 
 
 def _linear(
     k: int, n: int, dtype: str, bias: bool, quantized: bool, avx512: bool = False
 ) -> tirx.PrimFunc:
-    kw = k // NIBBLES_PER_WORD
-    kg = k // GROUP_SIZE
+    kp = padded_k(k) if quantized else k  # the stored width of a weight row
+    kw = kp // NIBBLES_PER_WORD
+    kg = kp // GROUP_SIZE
     nb = COL_BLOCK if n % COL_BLOCK == 0 else (COL_TILE if n % COL_TILE == 0 else 1)
     ct = COL_TILE if nb % COL_TILE == 0 else 1
     kl = k // LANES
+    kt = k % LANES  # the scalar tail; 0 for every common shape, and then no code for it
     acc_t = "float32"
 
     # The weight arguments differ by mode; the body reads them only through `fill`.
@@ -81,6 +92,9 @@ def _linear(
             for jj, kk in T.grid(nb, kl):
                 for e in T.vectorized(LANES):
                     wbuf[jj, kk * LANES + e] = T.Cast(acc_t, w[j0 + jj, kk * LANES + e])
+            if kt > 0:
+                for jj, e in T.grid(nb, kt):
+                    wbuf[jj, kl * LANES + e] = T.Cast(acc_t, w[j0 + jj, kl * LANES + e])
 
     @T.macro
     def tile(x, wbuf, y, b, i0, rows, j0, jt):
@@ -97,6 +111,12 @@ def _linear(
                             + T.Cast(acc_t, x[i0 + ii, kk * LANES + e])
                             * wbuf[jt + jj, kk * LANES + e]
                         )
+        if kt > 0:
+            for ii, jj, e in T.grid(rows, ct, kt):
+                acc[ii, jj, e] = (
+                    acc[ii, jj, e]
+                    + T.Cast(acc_t, x[i0 + ii, kl * LANES + e]) * wbuf[jt + jj, kl * LANES + e]
+                )
         for ii, jj in T.grid(rows, ct):
             red = T.alloc_buffer((1,), acc_t)
             red[0] = T.float32(0)
@@ -118,7 +138,7 @@ def _linear(
             gemv(x, w, s, b, y, 1)
         else:
             for jo in T.parallel(n // nb):
-                wbuf = T.alloc_buffer((nb, k), acc_t)
+                wbuf = T.alloc_buffer((nb, kp), acc_t)
                 fill(wbuf, w, s, jo * nb)
                 for io in range(m // ROW_TILE):
                     for jt in range(nb // ct):

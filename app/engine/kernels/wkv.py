@@ -26,6 +26,8 @@ a prefill is B = 1, ends = [n - 1]; a batched decode is n = B, ends = [0, 1, ...
 
 from __future__ import annotations
 
+import functools
+
 from tvm import te, tirx
 from tvm.script import tirx as T
 
@@ -67,6 +69,7 @@ def token_mix(x: te.Tensor, prev: te.Tensor, start_of: te.Tensor, *mixes: te.Ten
     return outs if len(outs) > 1 else outs[0]
 
 
+@functools.cache  # one parse per model instead of one per layer and function
 def wkv_scan(channels: int, dtype: str, gpu: bool = False) -> tirx.PrimFunc:
     """(k, v [n, C] dtype; w, u [C] f32; a, b, p [B, C] f32; ends [B] i32)
     -> (y [n, C] dtype; a', b', p' [B, C] f32).  `gpu`: one thread per channel."""

@@ -5,6 +5,10 @@ A Linear holds its weight as float [out, in] or, in a 4-bit mode, as packed word
 of `kernels.matmul` (a one-row call in the decode GEMV of `kernels.gemv`, in its AVX-512 form when
 `avx512`); on GPUs it is expressed as dequantize + matmul, which FuseOps/FuseTIR merge into one
 kernel that dlight then schedules.
+
+A 4-bit weight whose reduction size is not a multiple of the group size is stored padded to whole
+groups with zero weights (`quantization.padded_k`); every kernel and the GPU dequantize read only
+the real columns, so the padding is invisible outside the stored layout.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 from localchat.engine.kernels import matmul
-from localchat.engine.quantization import GROUP_SIZE, NIBBLES_PER_WORD, QuantMode
+from localchat.engine.quantization import GROUP_SIZE, NIBBLES_PER_WORD, QuantMode, padded_k
 
 
 def _dequant_value(words: te.Tensor, scale: te.Tensor, row, col, dtype: str) -> tirx.PrimExpr:
@@ -42,8 +46,9 @@ class Linear(nn.Module):
         self.target_kind = target_kind
         self.avx512 = avx512
         if mode.quantized:
-            self.weight = nn.Parameter((out_features, in_features // NIBBLES_PER_WORD), "uint32")
-            self.scale = nn.Parameter((out_features, in_features // GROUP_SIZE), mode.dtype)
+            kp = padded_k(in_features)
+            self.weight = nn.Parameter((out_features, kp // NIBBLES_PER_WORD), "uint32")
+            self.scale = nn.Parameter((out_features, kp // GROUP_SIZE), mode.dtype)
         else:
             self.weight = nn.Parameter((out_features, in_features), mode.dtype)
             self.scale = None
@@ -125,8 +130,9 @@ class Embedding(nn.Module):
         self.target_kind = target_kind
         self.avx512 = avx512
         if mode.quantized:
-            self.weight = nn.Parameter((vocab_size, hidden_size // NIBBLES_PER_WORD), "uint32")
-            self.scale = nn.Parameter((vocab_size, hidden_size // GROUP_SIZE), mode.dtype)
+            kp = padded_k(hidden_size)
+            self.weight = nn.Parameter((vocab_size, kp // NIBBLES_PER_WORD), "uint32")
+            self.scale = nn.Parameter((vocab_size, kp // GROUP_SIZE), mode.dtype)
         else:
             self.weight = nn.Parameter((vocab_size, hidden_size), mode.dtype)
             self.scale = None

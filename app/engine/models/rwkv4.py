@@ -36,7 +36,7 @@ from tvm.relax.frontend.nn import op
 from tvm.target import Target
 
 from localchat.engine.kernels import wkv
-from localchat.engine.kernels.common import GROUP_SIZE, LANES, has_avx512
+from localchat.engine.kernels.common import has_avx512
 from localchat.engine.kernels.gemv import gemv_f, gemv_q4
 from localchat.engine.models import Architecture
 from localchat.engine.models.layers import Embedding, Linear
@@ -52,7 +52,7 @@ from localchat.engine.models.rwkv4_state import (
 )
 from localchat.engine.models.rwkv4_weights import hf_params
 from localchat.engine.quantization import QuantMode
-from localchat.errors import ModelConfigError, UnsupportedModelError
+from localchat.errors import ModelConfigError
 
 DEFAULT_PREFILL_CHUNK = 512
 # An RNN has no context limit; this only bounds the runtime's length check.
@@ -100,13 +100,6 @@ class Rwkv4Config:
             layer_norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)),
             rescale_every=int(hf.get("rescale_every") or 0),
         )
-        for name, size in (
-            ("hidden_size", cfg.hidden_size),
-            ("attention_hidden_size", cfg.attention_hidden_size),
-            ("intermediate_size", cfg.intermediate_size),
-        ):
-            if size % 32:
-                raise UnsupportedModelError(f"{name} {size} is not a multiple of 32")
         return cfg
 
 
@@ -149,13 +142,12 @@ def _project(lin: Linear, x: nn.Tensor, gemv: bool, avx512: bool = False) -> nn.
         return op.reshape(lin(op.reshape(x, shape)), (rows, n))
     if not gemv or lin.bias is not None:
         return lin(x)
-    if mode.quantized and k % GROUP_SIZE == 0:
+    # any k: 4-bit weights are stored padded to whole groups, gemv_f has a scalar tail
+    if mode.quantized:
         func = gemv_q4(k, n, mode.dtype, avx512)
         args = [x, lin.weight, lin.scale]
-    elif not mode.quantized and k % LANES == 0:
-        func, args = gemv_f(k, n, mode.dtype), [x, lin.weight]
     else:
-        return lin(x)
+        func, args = gemv_f(k, n, mode.dtype), [x, lin.weight]
     out = nn.Tensor.placeholder((x.shape[0], n), mode.dtype)
     return op.tensor_ir_op(func, "gemv", args=args, out=out)
 
