@@ -1,8 +1,8 @@
 """The UI's narrow view of the engine: list, pull, remove and load models, and stream replies.
 
 `Backend` and `ChatModel` are what screens call (from worker threads: every method may block);
-`LocalBackend` runs the engine in this process. A second implementation speaking the OpenAI API
-over httpx can stand beside it (`localchat --server URL`) without the screens changing.
+`LocalBackend` runs the engine in this process; `localchat.tui.remote.RemoteBackend` speaks the
+OpenAI API over httpx to a server (`localchat --server URL`) behind the same protocol.
 Nothing heavy (TVM, numpy) is imported until a model is loaded or pulled.
 """
 
@@ -81,7 +81,10 @@ class ChatModel(Protocol):
 
 
 class Backend(Protocol):
-    """Models: installed, known, pull, remove, load."""
+    """Models: installed, known, pull, remove, load. `manages_store` is False where pull,
+    remove and compile are not offered (a remote server): the screens say so up front."""
+
+    manages_store: bool
 
     def models(self) -> list[ModelInfo]:
         """The installed models."""
@@ -152,6 +155,8 @@ class LocalChatModel:
 class LocalBackend:
     """The engine in this process, over the store at `home` (default: LOCALCHAT_HOME or the
     platform dirs), on `device`."""
+
+    manages_store = True
 
     def __init__(self, device: str = "auto", home: Path | str | None = None) -> None:
         self.device = device

@@ -1,9 +1,12 @@
 """Per-conversation settings: parsed from the settings form's text fields and validated by the
-engine's own rules, so an invalid value is reported with its reason and never applied."""
+engine's own rules, so an invalid value is reported with its reason and never applied. The
+output format (text, any JSON object, or JSON valid under a schema) becomes the reply's
+`GenerationConfig.response_format`."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +33,11 @@ FIELD_LABELS = {
     "max_tokens": "Max tokens",
     "seed": "Seed",
     "context_window": "Context window",
+    "output_format": "Output format",
+    "json_schema": "JSON Schema",
 }
+# output format -> what the form calls it
+OUTPUT_FORMATS = {"text": "Text", "json": "JSON object", "json_schema": "JSON Schema"}
 
 
 @dataclass(frozen=True)
@@ -46,10 +53,25 @@ class ChatSettings:
     max_tokens: int | None = None
     seed: int | None = None
     context_window: int | None = None
+    output_format: str = "text"  # a key of OUTPUT_FORMATS
+    json_schema: str = ""  # the schema as typed (kept as text so the form shows it again)
+
+    def response_format(self) -> dict[str, Any] | None:
+        """The `GenerationConfig.response_format` of the output format (None: free text)."""
+        if self.output_format == "json":
+            return {"type": "json_object"}
+        if self.output_format == "json_schema":
+            return {"type": "json_schema", "json_schema": {"schema": json.loads(self.json_schema)}}
+        return None
 
     def overrides(self) -> dict[str, Any]:
-        """The generation parameters that differ from the model's defaults."""
-        return {k: getattr(self, k) for k in GENERATION_FIELDS if getattr(self, k) is not None}
+        """The generation parameters that differ from the model's defaults (the output format
+        included)."""
+        out = {k: getattr(self, k) for k in GENERATION_FIELDS if getattr(self, k) is not None}
+        fmt = self.response_format()
+        if fmt is not None:
+            out["response_format"] = fmt
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-friendly fields (for the database)."""
@@ -66,10 +88,50 @@ class ChatSettings:
         return {k: "" if v is None else str(v) for k, v in self.to_dict().items()}
 
 
+def parse_schema(text: str, *, compile_check: bool = False) -> dict[str, Any]:
+    """The response format of a JSON Schema typed in the form, or InvalidRequestError (param
+    "json_schema") saying why not. `compile_check` also compiles it as the engine will
+    (xgrammar, no tokenizer needed), catching what is valid JSON but no usable schema."""
+    from localchat.engine.grammar import _native_message, normalize_response_format
+
+    if not text.strip():
+        raise InvalidRequestError("the JSON Schema is empty: type one, or pick another output "
+                                  "format", "json_schema")
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequestError(f"the JSON Schema is not valid JSON: {exc}",
+                                  "json_schema") from None
+    try:
+        fmt = normalize_response_format({"type": "json_schema", "json_schema": {"schema": schema}})
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(str(exc), "json_schema") from None
+    assert fmt is not None
+    if compile_check:
+        try:
+            import xgrammar as xgr
+        except ImportError:  # no structured output here: the reply itself will say so
+            return fmt
+        try:  # the same options the engine compiles with (engine/grammar.py)
+            xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False,
+                                         strict_mode=True)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise InvalidRequestError(f"the JSON Schema does not compile: {_native_message(exc)}",
+                                      "json_schema") from None
+    return fmt
+
+
 def parse_field(name: str, text: str, *, max_window: int | None = None) -> Any:
     """One form field's value (None for blank), or InvalidRequestError naming it and why."""
+    if name == "json_schema":
+        return text  # checked with its output format, by parse_settings
     text = text.strip()
     if name == "system":
+        return text
+    if name == "output_format":
+        if text not in OUTPUT_FORMATS:
+            raise InvalidRequestError(f"output_format must be one of {', '.join(OUTPUT_FORMATS)}"
+                                      f", got {text!r}", name)
         return text
     if not text:
         return None
@@ -93,5 +155,7 @@ def parse_settings(fields: dict[str, str], *, max_window: int | None = None) -> 
     values = {name: parse_field(name, text, max_window=max_window)
               for name, text in fields.items()}
     settings = ChatSettings(**values)
+    if settings.output_format == "json_schema":
+        parse_schema(settings.json_schema, compile_check=True)
     GenerationConfig().replace(**settings.overrides())  # the combination, too
     return settings

@@ -3,12 +3,11 @@ real SmolLM2-135M-Instruct as `smollm2:q0f32`), and a helper to wait on a condit
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from tui_helpers import wait_for
 
 from fixtures import converted, smollm2_hf_dir
 
@@ -34,17 +33,6 @@ def store_home(home: Path, model_dir: Path) -> Path:
     (home / "models" / "smollm2").mkdir(parents=True)
     (home / "models" / "smollm2" / "q0f32").symlink_to(model_dir, target_is_directory=True)
     return home
-
-
-async def wait_for(pilot, condition: Callable[[], object], timeout: float = 30.0,
-                   what: str = "condition") -> None:
-    """Let the app run until `condition()` is true; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        await pilot.pause(0.05)
-        await asyncio.sleep(0)
 
 
 @pytest.fixture

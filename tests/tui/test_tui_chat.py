@@ -5,11 +5,13 @@ reopen and continue after a restart. One engine is loaded per module and shared 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterator
+import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from textual.widgets import Input, Label, Static
+from textual.widgets import Input, Label, Select, Static, TextArea
+from tui_helpers import chat_ready, send, set_fields, wait_for
 
 from localchat import Engine
 from localchat.tui.app import LocalchatApp
@@ -20,13 +22,6 @@ from localchat.tui.screens.dialogs import ConversationsScreen, SettingsScreen
 from localchat.tui.widgets.prompt import PromptInput
 
 pytestmark = pytest.mark.asyncio
-wait_for: Callable[..., Awaitable[None]]
-
-
-@pytest.fixture(autouse=True)
-def _wait(wait: Callable[..., Awaitable[None]]) -> None:
-    global wait_for
-    wait_for = wait
 SIZE = (120, 40)
 QUESTION = "What is the capital of France?"
 
@@ -40,41 +35,6 @@ def backend(model_dir: Path) -> Iterator[LocalBackend]:
     b = LocalBackend(device="cpu")
     yield b
     b.close()
-
-
-async def chat_ready(pilot, app: LocalchatApp) -> ChatScreen:
-    """The chat screen `--model` opened, once its model has loaded."""
-    await wait_for(pilot, lambda: isinstance(app.screen, ChatScreen), what="the chat screen")
-    screen = app.screen
-    assert isinstance(screen, ChatScreen)
-    await wait_for(pilot, lambda: screen.model is not None or screen.load_error,
-                   timeout=120, what="the model to load")
-    assert screen.load_error is None, screen.load_error
-    return screen
-
-
-async def set_fields(pilot, app: LocalchatApp, **values: str) -> None:
-    """Open the settings dialog, type each value into its field, and save."""
-    await pilot.press("ctrl+s")
-    await wait_for(pilot, lambda: isinstance(app.screen, SettingsScreen), what="settings")
-    for name, text in values.items():
-        box = app.screen.query_one(f"#{name}", Input)
-        box.focus()
-        await pilot.press("end")
-        while box.value:
-            await pilot.press("backspace")
-        await pilot.press(*text)
-    await pilot.press("ctrl+s")
-
-
-async def send(pilot, screen: ChatScreen, text: str, timeout: float = 60) -> None:
-    """Type `text` into the prompt, press Enter, and wait for the reply to end."""
-    screen.query_one(PromptInput).focus()
-    await pilot.press(*text)
-    last = screen.views[-1] if screen.views else None
-    await pilot.press("enter")
-    await wait_for(pilot, lambda: not screen.busy and screen.views[-1] is not last
-                   and screen.views[-1].role == "assistant", timeout=timeout, what="the reply")
 
 
 async def test_ask_stream_stats_persist_restart_and_continue(
@@ -209,3 +169,61 @@ async def test_regenerate_edit_and_resend_copy_and_export(
         assert path.parent == store_home / "exports"
         assert "What is the capital of Italy?" in text and fresh in text
         assert str(path) in str(screen.query_one("#status", Static).render())
+
+
+SCHEMA = ('{"type": "object", "properties": {"capital": {"type": "string"}}, '
+          '"required": ["capital"]}')
+
+
+async def test_a_json_schema_output_format_is_validated_applied_and_kept(
+        store_home: Path, backend: LocalBackend) -> None:
+    app = LocalchatApp(model="smollm2", backend=backend)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await chat_ready(pilot, app)
+        await set_fields(pilot, app, temperature="0", max_tokens="40")
+        await wait_for(pilot, lambda: app.screen is screen, what="settings to close")
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: isinstance(app.screen, SettingsScreen), what="settings")
+        dialog = app.screen
+        schema_box = dialog.query_one("#json_schema", TextArea)
+        assert not schema_box.display  # text output: no schema box
+        fmt = dialog.query_one("#output_format", Select)
+        fmt.focus()
+        await pilot.press("enter", "down", "down", "enter")  # Text -> JSON object -> JSON Schema
+        await wait_for(pilot, lambda: fmt.value == "json_schema", what="JSON Schema picked")
+        assert schema_box.display
+        error = dialog.query_one("#error-json_schema", Label)
+        schema_box.focus()
+        await pilot.press(*'{"type": ')
+        assert "not valid JSON" in str(error.render())  # inline, as it is typed
+        assert schema_box.has_class("-invalid")
+        await pilot.press(*'"objekt"}')
+        assert str(error.render()) == ""  # valid JSON ...
+        await pilot.press("ctrl+s")  # ... but no schema: saving compiles it, and refuses
+        assert app.screen is dialog and "does not compile" in str(error.render())
+        assert screen.settings.output_format == "text"  # never applied
+        schema_box.load_text(SCHEMA)
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: app.screen is screen, what="settings to close")
+        assert screen.settings.output_format == "json_schema"
+        assert screen.settings.response_format() == {
+            "type": "json_schema", "json_schema": {"schema": json.loads(SCHEMA)}}
+        await send(pilot, screen, QUESTION)
+        answer = screen.views[-1]
+        assert answer.status == "done"
+        assert json.loads(answer.content) == {"capital": "Paris"}  # constrained by the schema
+        cid = screen.conversation_id
+
+    # kept: the reopened conversation has the format, and the form shows it again
+    stored = ChatDB().conversation(cid)
+    assert stored is not None and stored.settings["output_format"] == "json_schema"
+    app = LocalchatApp(backend=backend)
+    async with app.run_test(size=SIZE) as pilot:
+        app.open_chat("smollm2", cid)
+        screen = await chat_ready(pilot, app)
+        assert screen.settings.json_schema == SCHEMA
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: isinstance(app.screen, SettingsScreen), what="settings")
+        assert app.screen.query_one("#output_format", Select).value == "json_schema"
+        assert app.screen.query_one("#json_schema", TextArea).text == SCHEMA
+        assert app.screen.query_one("#json_schema", TextArea).display

@@ -66,8 +66,10 @@ def test_localchat_in_tmux_answers_paris(store_home: Path, model_dir: Path, tmux
                                          tmp_path: Path) -> None:
     Engine.open(model_dir, device="cpu").close()  # a library to compile is compiled up front
     assert LOCALCHAT.exists(), LOCALCHAT
-    conf = tmp_path / "tmux.conf"  # a fixed size, even with no client attached
-    conf.write_text("set -g default-size 120x40\nset -g window-size manual\n")
+    # a fixed size with no client attached (no `window-size manual`: tmux 3.3a's server
+    # segfaults on it when the session is created detached with -x/-y)
+    conf = tmp_path / "tmux.conf"
+    conf.write_text("set -g default-size 120x40\n")
     tmux("-f", str(conf), "new-session", "-d", "-s", tmux.name, "-x", "120", "-y", "40",
          "-e", f"LOCALCHAT_HOME={store_home}", "-e", "TERM=xterm-256color",
          f"{LOCALCHAT} --model smollm2 --device cpu; sleep 30")
@@ -78,20 +80,34 @@ def test_localchat_in_tmux_answers_paris(store_home: Path, model_dir: Path, tmux
     # temperature, then on to max_tokens (top_p, top_k, min_p, repetition_penalty between)
     tmux.keys("C-s")
     tmux.wait(lambda s: "Conversation settings" in s, 10, "the settings dialog")
+    # in a real terminal the dialog paints before its first field takes the focus, and a Tab
+    # sent in between lands elsewhere; nothing on screen tells the moment, so give it a second
+    time.sleep(1)
     tmux.keys("Tab")
     tmux.type("0")
     tmux.wait(lambda s: re.search(r"Temperature +▊ +0 ", s) is not None, 10,
               "the temperature typed")
     tmux.keys("Tab", "Tab", "Tab", "Tab", "Tab")
     tmux.type("24")
+    tmux.wait(lambda s: re.search(r"Max tokens +▊ +24 ", s) is not None, 10,
+              "the max tokens typed")
     tmux.keys("C-s")
-    tmux.wait(lambda s: "Conversation settings" not in s, 10, "the settings to close")
+    # the form scrolls with the focus (its title may be off screen): the dialog is gone when
+    # no field shows and the status line it covered is whole again
+    tmux.wait(lambda s: "Max tokens" not in s and "ready on cpu" in s, 10,
+              "the settings to close")
     tmux.type("What is the capital of France?")
     tmux.keys("Enter")
     screen = tmux.wait(lambda s: "decode" in s and "Paris" in s
                        and "tok/s" in s.split("decode", 1)[1][:20]
                        and "decode – tok/s" not in s, 60, "the reply with Paris")
     assert "What is the capital of France?" in screen
+    # the stats line updates while the reply streams: quit once the reply is stored
+    deadline = time.monotonic() + 30
+    while not any(m.role == "assistant" for c in ChatDB().conversations()
+                  for m in ChatDB().messages(c.id)):
+        assert time.monotonic() < deadline, "the reply was never stored"
+        time.sleep(0.2)
     tmux.keys("C-q")
     tmux.wait(lambda s: "ready on cpu" not in s, 10, "localchat to quit")
     [row] = ChatDB().conversations()  # what was typed reached the app and was stored

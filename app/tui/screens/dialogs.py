@@ -12,13 +12,20 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label, OptionList, Static, TextArea
+from textual.widgets import Button, Input, Label, OptionList, Select, Static, TextArea
 from textual.widgets.option_list import Option
 
 from localchat.errors import InvalidRequestError
 from localchat.tui.backend import ModelInfo
 from localchat.tui.db import ChatDB, ConversationRow
-from localchat.tui.settings import FIELD_LABELS, ChatSettings, parse_field, parse_settings
+from localchat.tui.settings import (
+    FIELD_LABELS,
+    OUTPUT_FORMATS,
+    ChatSettings,
+    parse_field,
+    parse_schema,
+    parse_settings,
+)
 
 HELP = """\
 [b]Everywhere[/b]
@@ -145,8 +152,9 @@ SETTINGS_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty
 
 
 class SettingsScreen(ModalScreen[ChatSettings | None]):
-    """The conversation's system prompt and parameters. Each field is checked as it is typed;
-    Save applies only when every field is valid, otherwise the reason stays shown inline."""
+    """The conversation's system prompt, parameters and output format (text, JSON, or a JSON
+    Schema typed in a text area). Each field is checked as it is typed; Save applies only when
+    every field is valid (a schema must also compile), otherwise the reason stays shown inline."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "save", "Save")]
 
@@ -157,7 +165,9 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
 
     def compose(self) -> ComposeResult:
         text = self.settings.as_text()
-        with VerticalScroll(classes="dialog wide", id="settings"):
+        # the form scrolls to the focused field; it takes no focus itself, so Tab goes from
+        # field to field and the first one (the system prompt) has the focus from the start
+        with VerticalScroll(classes="dialog wide", id="settings", can_focus=False):
             yield Label("[b]Conversation settings[/b] (blank: the model's default)")
             yield Label(FIELD_LABELS["system"])
             yield TextArea(text["system"], id="system", classes="system-prompt")
@@ -166,13 +176,50 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
                     yield Label(FIELD_LABELS[name], classes="field-label")
                     yield Input(text[name], id=name, placeholder="default")
                 yield Label("", id=f"error-{name}", classes="field-error")
+            with Horizontal(classes="field"):
+                yield Label(FIELD_LABELS["output_format"], classes="field-label")
+                yield Select([(label, key) for key, label in OUTPUT_FORMATS.items()],
+                             value=text["output_format"], allow_blank=False,
+                             id="output_format")
+            yield TextArea(text["json_schema"], id="json_schema", classes="json-schema")
+            yield Label("", id="error-json_schema", classes="field-error")
             with Horizontal(classes="buttons"):
                 yield Button("Save (Ctrl+S)", id="save", variant="primary")
                 yield Button("Cancel (Esc)", id="cancel")
 
+    def on_mount(self) -> None:
+        # before the first paint, so typing lands there; it is on screen already, and a
+        # scroll to it would hide the dialog's title
+        self.query_one("#system", TextArea).focus(scroll_visible=False)
+        self._show_schema()
+
     def _show_error(self, name: str, message: str) -> None:
         self.query_one(f"#error-{name}", Label).update(message)
-        self.query_one(f"#{name}", Input).set_class(bool(message), "-invalid")
+        self.query_one(f"#{name}").set_class(bool(message), "-invalid")
+
+    def _show_schema(self) -> None:
+        """The schema box (and its error) only while the output format is a JSON Schema."""
+        shown = self.query_one("#output_format", Select).value == "json_schema"
+        self.query_one("#json_schema").display = shown
+        self.query_one("#error-json_schema").display = shown
+        if shown:
+            self._check_schema()
+
+    def _check_schema(self) -> None:
+        try:
+            parse_schema(self.query_one("#json_schema", TextArea).text)
+        except InvalidRequestError as exc:
+            self._show_error("json_schema", str(exc))
+        else:
+            self._show_error("json_schema", "")
+
+    @on(Select.Changed, "#output_format")
+    def _format_changed(self) -> None:
+        self._show_schema()
+
+    @on(TextArea.Changed, "#json_schema")
+    def _schema_changed(self) -> None:
+        self._check_schema()
 
     @on(Input.Changed)
     def _changed(self, event: Input.Changed) -> None:
@@ -188,6 +235,8 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
         """The form's current text, by field."""
         out = {name: self.query_one(f"#{name}", Input).value for name in SETTINGS_FIELDS}
         out["system"] = self.query_one("#system", TextArea).text
+        out["output_format"] = str(self.query_one("#output_format", Select).value)
+        out["json_schema"] = self.query_one("#json_schema", TextArea).text
         return out
 
     @on(Button.Pressed, "#save")
@@ -195,7 +244,7 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
         try:
             settings = parse_settings(self.fields(), max_window=self.max_window)
         except InvalidRequestError as exc:
-            name = exc.param if exc.param in SETTINGS_FIELDS else "temperature"
+            name = exc.param if exc.param in (*SETTINGS_FIELDS, "json_schema") else "temperature"
             self._show_error(name, str(exc))
             self.notify(f"not saved: {exc}", severity="error")
             return

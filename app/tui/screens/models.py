@@ -78,13 +78,28 @@ class ModelsScreen(Screen[None]):
     def _show(self, installed: list[ModelInfo], catalog: list[CatalogEntry],
               last_used: dict[str, float]) -> None:
         self.installed, self.catalog, self.last_used = installed, catalog, last_used
-        self.loaded = True
         table = self.query_one(DataTable)
         table.loading = False
+        box = self.query_one("#filter", Input)
+        # a loading table cannot hold the focus, which fell to the filter: give it back once
+        # the loading indicator is gone, so p, d, i and b act (unless the user began typing a
+        # filter meanwhile); `loaded` says the list is shown and the focus settled
+        refocus = self.focused is None or (self.focused is box and not box.value)
+
+        def settled() -> None:
+            if refocus:
+                table.focus()
+            self.loaded = True
+
+        self.call_after_refresh(settled)
         welcome = self.query_one("#welcome", Static)
         welcome.display = not installed
-        if not installed:
-            rec = self.app.backend.recommended()  # type: ignore[attr-defined]
+        backend = self.app.backend  # type: ignore[attr-defined]
+        if not installed and not backend.manages_store:
+            welcome.update("[b]The server serves no models.[/b] Pull one on the server's "
+                           "machine (`localchat pull NAME`), then reopen this view (F2).")
+        elif not installed:
+            rec = backend.recommended()
             welcome.update(
                 "[b]Welcome to localchat.[/b] No models are installed yet.\n"
                 f"Recommended for this device: [b]{rec}[/b] (tiny, works without the hub). "
@@ -92,7 +107,7 @@ class ModelsScreen(Screen[None]):
                 "repo id, a local folder or a .gguf file."
             )
         self._fill()
-        if not installed:  # the cursor on the recommended model: Enter pulls it
+        if not installed and backend.manages_store:  # the cursor on the recommended model
             table.move_cursor(row=table.get_row_index(f"catalog:{rec}"))
 
     def _fill(self) -> None:
@@ -159,6 +174,14 @@ class ModelsScreen(Screen[None]):
     def _row_selected(self) -> None:
         self.action_activate()
 
+    def _store_action(self, what: str) -> bool:
+        """Whether the backend can `what` (pull, delete, compile); says why not if not."""
+        if self.app.backend.manages_store:  # type: ignore[attr-defined]
+            return True
+        self.notify(f"{what} is not available over --server: do it on the server's machine "
+                    f"(localchat {what} NAME)", severity="warning")
+        return False
+
     def action_activate(self) -> None:
         picked = self.selected()
         if picked is None:
@@ -166,10 +189,12 @@ class ModelsScreen(Screen[None]):
         kind, name = picked
         if kind == "installed":
             self.app.open_chat(name)  # type: ignore[attr-defined]
-        else:
+        elif self._store_action("pull"):
             self.app.start_pull(name)  # type: ignore[attr-defined]
 
     def action_pull(self) -> None:
+        if not self._store_action("pull"):
+            return
         picked = self.selected()
         name = picked[1] if picked and picked[0] == "catalog" else ""
 
@@ -182,6 +207,8 @@ class ModelsScreen(Screen[None]):
                                        placeholder="smollm2-135m-instruct"), done)
 
     def action_delete(self) -> None:
+        if not self._store_action("rm"):
+            return
         picked = self.selected()
         if picked is None or picked[0] != "installed":
             self.notify("select an installed model to delete", severity="warning")
@@ -221,6 +248,8 @@ class ModelsScreen(Screen[None]):
             self.app.push_screen(InfoScreen(entry.name, text))
 
     def action_compile(self) -> None:
+        if not self._store_action("pull"):
+            return
         picked = self.selected()
         model = self._installed(picked[1]) if picked and picked[0] == "installed" else None
         if model is None:

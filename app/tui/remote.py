@@ -1,0 +1,336 @@
+"""The UI over a running `localchat serve` (or any OpenAI-compatible server): `localchat --server
+URL`. `RemoteBackend` lists models with `GET /v1/models` and `RemoteChatModel` streams replies
+from `POST /v1/chat/completions`, handing the screens the same `ReplyStream` of `TokenEvent`s and
+one `FinishEvent` the in-process engine gives them. Timings are measured here, on the client;
+token counts come from the server's `usage`. Pulling, deleting and compiling are not part of the
+OpenAI API, so they raise `NotAvailableRemotely` with a message saying where to do them.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from localchat.engine.stream import FinishEvent, Reply, ReplyStats, ReplyStream, TokenEvent
+from localchat.errors import LocalchatError, ModelNotFoundError
+from localchat.tui.backend import RECOMMENDED, CatalogEntry, Log, ModelInfo
+from localchat.tui.settings import ChatSettings
+
+if TYPE_CHECKING:
+    from localchat.downloader.progress import DownloadProgress
+
+API_KEY_ENV = "LOCALCHAT_API_KEY"
+CONNECT_TIMEOUT_S = 5.0
+# a reply may wait on the server loading or compiling a model before its first token
+READ_TIMEOUT_S = 600.0
+
+
+class ServerError(LocalchatError):
+    """The server answered with an error (its `{"error": ...}` message), or could not be
+    reached; the message is one line meant for the user."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class NotAvailableRemotely(LocalchatError):
+    """A store action (pull, delete, compile) that the OpenAI API does not offer."""
+
+
+def error_message(response: httpx.Response) -> str:
+    """One line from an error response: the server's message (OpenAI's `{"error": {...}}` or
+    Ollama's `{"error": "..."}`), else the status line."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict):
+        error = error.get("message")
+    text = " ".join(str(error).split()) if error else (response.reason_phrase or "error")
+    return f"{text} (HTTP {response.status_code})"
+
+
+def _split_ref(ref: str) -> tuple[str, str]:
+    name, sep, quant = ref.rpartition(":")
+    return (name, quant) if sep and name else (ref, "")
+
+
+class RemoteReplyStream(ReplyStream):
+    """A `ReplyStream` fed by a reader thread from the server's SSE chunks. `cancel()` ends it
+    at once with the text received so far (finish reason "cancelled") and the reader closes
+    the HTTP stream, which the server takes as the client going away and stops generating."""
+
+    def __init__(self, response: httpx.Response, started: float) -> None:
+        super().__init__(0)
+        self._response = response
+        self._started = started
+        self._end_lock = threading.Lock()
+        self._ended = False
+        self._received: list[str] = []
+        self._first: float | None = None
+        self._last: float | None = None
+        self._chunks = 0
+        self._usage: dict[str, Any] = {}
+        self._reason = "stop"
+        self._reader = threading.Thread(target=self._read, name="localchat-remote-reply",
+                                        daemon=True)
+        self._reader.start()
+
+    def cancel(self) -> None:
+        """Stop the reply now, keeping the text received so far."""
+        super().cancel()
+        self._end("cancelled")
+
+    def _stats(self, reason: str) -> ReplyStats:
+        prompt = int(self._usage.get("prompt_tokens") or 0)
+        completion = int(self._usage.get("completion_tokens") or self._chunks)
+        ttft = (self._first - self._started) if self._first is not None else 0.0
+        decode = 0.0
+        if self._first is not None and self._last is not None and self._last > self._first:
+            decode = max(0, completion - 1) / (self._last - self._first)
+        return ReplyStats(
+            prompt_tokens=prompt, completion_tokens=completion, ttft_s=ttft,
+            prefill_tok_s=prompt / ttft if prompt and ttft > 0 else 0.0, decode_tok_s=decode,
+            finish_reason=reason, context_tokens=prompt + completion)
+
+    def _end(self, reason: str, error: BaseException | None = None) -> None:
+        # the reader thread and cancel() race to end the stream: the first one wins
+        with self._end_lock:
+            if self._ended:
+                return
+            self._ended = True
+            if error is not None:
+                self.finish(None, error)
+                self.put(error)
+                return
+            reply = Reply("".join(self._received), [], reason, self._stats(reason))
+            self.finish(reply)
+            self.put(FinishEvent(self.id, "", reply))
+
+    def _token(self, text: str) -> None:
+        with self._end_lock:
+            if self._ended:
+                return
+            now = time.monotonic()
+            if self._first is None:
+                self._first = now
+            self._last = now
+            self._chunks += 1
+            self._received.append(text)
+            self.put(TokenEvent(self.id, -1, text))
+
+    def _read(self) -> None:
+        try:
+            for data in _sse_data(self._response.iter_lines()):
+                if self.cancelled:
+                    break
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    error = chunk["error"]
+                    message = error.get("message") if isinstance(error, dict) else error
+                    raise ServerError(f"the server failed: {message}")
+                if chunk.get("usage"):
+                    self._usage = chunk["usage"]
+                for choice in chunk.get("choices") or []:
+                    content = (choice.get("delta") or {}).get("content")
+                    if content:
+                        self._token(content)
+                    if choice.get("finish_reason"):
+                        self._reason = "length" if choice["finish_reason"] == "length" else "stop"
+        except LocalchatError as exc:
+            self._end("error", exc)
+        except httpx.HTTPError as exc:
+            if not self.cancelled:  # closing a cancelled stream may break the read: expected
+                self._end("error", ServerError(f"the reply stream broke: {exc}"))
+        except Exception as exc:  # noqa: BLE001 - a malformed chunk ends the reply, shown
+            self._end("error", ServerError(
+                f"the server sent a malformed reply chunk ({type(exc).__name__}: {exc})"))
+        finally:
+            self._response.close()
+        self._end("cancelled" if self.cancelled else self._reason)
+
+
+def _sse_data(lines: Iterator[str]) -> Iterator[str]:
+    for line in lines:
+        if line.startswith("data:"):
+            yield line[5:].strip()
+
+
+def request_body(model: str, messages: Sequence[dict[str, str]],
+                 settings: ChatSettings) -> dict[str, Any]:
+    """The `/v1/chat/completions` request for a conversation: the system prompt first, the
+    conversation's sampling settings as the request's fields (top_k, min_p and
+    repetition_penalty are localchat's extensions), streamed with usage."""
+    system = [{"role": "system", "content": settings.system}] if settings.system else []
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": system + [{"role": m["role"], "content": m["content"]} for m in messages],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    body.update(settings.overrides())
+    return body
+
+
+class RemoteChatModel:
+    """A model served by the server; every reply is a stateless request with the whole
+    conversation (the server keeps no conversation state)."""
+
+    def __init__(self, backend: RemoteBackend, ref: str, context_window: int) -> None:
+        self.backend = backend
+        self.name = ref
+        self.context_window = context_window
+        self.device = backend.where
+
+    def reply(self, key: str, messages: Sequence[dict[str, str]],
+              settings: ChatSettings) -> RemoteReplyStream:
+        if not messages or messages[-1]["role"] != "user":
+            raise ValueError("the last message must be the user's")
+        started = time.monotonic()
+        response = self.backend.stream("POST", "/v1/chat/completions",
+                                       json=request_body(self.name, messages, settings))
+        return RemoteReplyStream(response, started)
+
+    def forget(self, key: str) -> None:
+        pass  # nothing is held per conversation
+
+    def close(self) -> None:
+        pass  # the server owns the model
+
+
+class RemoteBackend:
+    """The models of the server at `url`, with `api_key` sent as a Bearer token."""
+
+    manages_store = False
+
+    def __init__(self, url: str, api_key: str | None = None, *,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        parts = urlsplit(url if "://" in url else f"http://{url}")
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ServerError(f"--server must be an http(s) URL like http://127.0.0.1:8000, "
+                              f"got {url!r}")
+        self.url = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
+        self.where = parts.netloc
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.Client(
+            base_url=self.url, headers=headers, transport=transport,
+            timeout=httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S))
+
+    # HTTP ------------------------------------------------------------------------------------
+    def _unreachable(self, exc: httpx.HTTPError) -> ServerError:
+        return ServerError(f"cannot reach the server at {self.url}: {exc or type(exc).__name__}")
+
+    def request(self, method: str, path: str, **kwargs: Any) -> Any:
+        """A JSON request; its decoded body, or ServerError with the server's message."""
+        try:
+            response = self._client.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise self._unreachable(exc) from None
+        if response.status_code >= 400:
+            raise ServerError(error_message(response), response.status_code)
+        try:
+            return response.json()
+        except ValueError:
+            raise ServerError(f"{self.url}{path} did not answer JSON: is this a localchat or "
+                              f"OpenAI-compatible server?") from None
+
+    def stream(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """A streamed response whose status is 200 (the caller closes it), or ServerError."""
+        request = self._client.build_request(method, path, **kwargs)
+        try:
+            response = self._client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise self._unreachable(exc) from None
+        if response.status_code >= 400:
+            try:
+                response.read()
+            finally:
+                response.close()
+            raise ServerError(error_message(response), response.status_code)
+        return response
+
+    def check(self) -> list[str]:
+        """The served model ids; ServerError when the server is unreachable or refuses us."""
+        body = self.request("GET", "/v1/models")
+        data = body.get("data") if isinstance(body, dict) else None
+        if not isinstance(data, list):
+            raise ServerError(f"{self.url}/v1/models is not an OpenAI model list")
+        return [str(m.get("id")) for m in data if isinstance(m, dict) and m.get("id")]
+
+    # Backend ---------------------------------------------------------------------------------
+    def _tags(self) -> dict[str, dict[str, Any]]:
+        # localchat's Ollama API adds sizes and architectures; another server may lack it
+        try:
+            body = self.request("GET", "/api/tags")
+        except ServerError:
+            return {}
+        models = body.get("models") if isinstance(body, dict) else None
+        return {str(m.get("name")): m for m in models or [] if isinstance(m, dict)}
+
+    def models(self) -> list[ModelInfo]:
+        out = []
+        tags = self._tags()
+        for ref in self.check():
+            name, quant = _split_ref(ref)
+            tag = tags.get(ref, {})
+            details = tag.get("details") if isinstance(tag.get("details"), dict) else {}
+            size = tag.get("size")
+            out.append(ModelInfo(
+                ref=ref, name=name, quantization=quant,
+                architecture=str(details.get("family") or ""),
+                targets=(f"server {self.where}",),
+                size_bytes=size if isinstance(size, int) else 0,
+                path=f"{self.url}/v1/models/{ref}"))
+        return out
+
+    def catalog(self) -> list[CatalogEntry]:
+        return []  # pulling is not available over the API: no catalog to pull from
+
+    def recommended(self) -> str:
+        return RECOMMENDED
+
+    def _context_window(self, ref: str) -> int:
+        # localchat's Ollama API tells the context length; another server may not (0: unknown)
+        try:
+            info = self.request("POST", "/api/show", json={"model": ref}).get("model_info", {})
+        except (ServerError, AttributeError):
+            return 0
+        value = next((v for k, v in info.items() if k.endswith(".context_length")), None)
+        return int(value) if isinstance(value, int) else 0
+
+    def load(self, ref: str, *, context_window: int | None = None,
+             log: Log | None = None) -> RemoteChatModel:
+        served = self.check()
+        if ref not in served:
+            matches = [m for m in served if _split_ref(m)[0] == ref]
+            if len(matches) != 1:
+                raise ModelNotFoundError(
+                    f"the server at {self.url} does not serve {ref!r}; it serves: "
+                    f"{', '.join(served) or 'no models'}", served)
+            ref = matches[0]
+        return RemoteChatModel(self, ref, self._context_window(ref))
+
+    def _unavailable(self, what: str) -> NotAvailableRemotely:
+        return NotAvailableRemotely(
+            f"{what} is not available over --server (the OpenAI API has no such action): run "
+            f"it on the server's machine, e.g. `localchat {what.split()[0]} NAME`")
+
+    def remove(self, ref: str) -> None:
+        raise self._unavailable("rm (deleting a model)")
+
+    def pull(self, ref: str, *, progress: DownloadProgress, stage: Callable[[str], None],
+             log: Log, cancelled: Callable[[], bool]) -> str:
+        raise self._unavailable("pull (downloading or compiling a model)")
+
+    def close(self) -> None:
+        self._client.close()
