@@ -85,7 +85,7 @@ def main() -> None:
         candidates["gemv"] = lambda k, n, dt: gemv.gemv_q4(k, n, dt, avx512=False)
         if avx512:
             candidates["gemv avx512"] = lambda k, n, dt: gemv.gemv_q4(k, n, dt, avx512=True)
-        candidates["linear_q4"] = lambda k, n, dt: matmul.linear_q4(k, n, dt, False, avx512)
+        candidates["linear_q4"] = lambda k, n, dt: matmul.linear_q4(k, n, dt, False)
     else:
         candidates["gemv_f"] = gemv.gemv_f
         candidates["linear_f"] = lambda k, n, dt: matmul.linear_f(k, n, dt, False)

@@ -126,14 +126,17 @@ def test_second_load_does_not_compile() -> None:
 
 
 @pytest.mark.parametrize("k,n,bias", [(576, 40, True), (64, 24, False), (2048, 36, True)])
-def test_one_row_linear_runs_the_decode_gemv(k: int, n: int, bias: bool) -> None:
-    """`linear_q4` with one row (the decode GEMV, generic and AVX-512; reductions that are not a
-    multiple of 128 end in a narrower vector) and with several rows (the blocked kernel) against
-    numpy on the dequantized weights."""
+def test_linear_kernels_give_a_row_the_same_bits_whatever_the_batch(
+    k: int, n: int, bias: bool
+) -> None:
+    """The decode GEMV (generic and AVX-512; reductions that are not a multiple of 128 end in a
+    narrower vector) and the blocked `linear_q4` against numpy on the dequantized weights, and
+    each gives row 0 the same bits with 1, 3 or 6 rows: a sequence's tokens must not depend on
+    what it is batched with (the server's N concurrent requests equal their solo runs)."""
     import tvm
 
     from localchat.engine.device import cpu_target
-    from localchat.engine.kernels import matmul
+    from localchat.engine.kernels import gemv, matmul
     from localchat.engine.kernels.common import has_avx512
     from localchat.engine.quantization import dequantize_q4, quantize_q4
 
@@ -141,12 +144,19 @@ def test_one_row_linear_runs_the_decode_gemv(k: int, n: int, bias: bool) -> None
     words, scale = quantize_q4(rng.standard_normal((n, k), dtype=np.float32) * 0.05, "float32")
     b = rng.standard_normal(n).astype(np.float32)
     target, dev = cpu_target(), tvm.cpu()
+    kernels = {"linear_q4": matmul.linear_q4(k, n, "float32", bias)}
     for avx512 in [False] + ([True] if has_avx512(target) else []):
-        func = matmul.linear_q4(k, n, "float32", bias, avx512).with_attr("global_symbol", "main")
-        f = tvm.compile(tvm.IRModule({"main": func}), target)["main"]
-        for m in (1, 3):
-            x = rng.standard_normal((m, k), dtype=np.float32)
+        kernels[f"gemv avx512={avx512}"] = gemv.gemv_q4(k, n, "float32", avx512, bias)
+    x = rng.standard_normal((6, k), dtype=np.float32)
+    ref = x.astype(np.float64) @ dequantize_q4(words, scale).T.astype(np.float64)
+    for name, func in kernels.items():
+        f = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target)
+        first_rows = []
+        for m in (1, 3, 6):
             y = tvm.runtime.tensor(np.zeros((m, n), np.float32), dev)
-            f(*[tvm.runtime.tensor(a, dev) for a in (x, words, scale, *([b] if bias else []))], y)
-            ref = x.astype(np.float64) @ dequantize_q4(words, scale).T.astype(np.float64)
-            assert rel_err(y.numpy(), ref + (b if bias else 0)) <= 1e-5, f"m={m} avx512={avx512}"
+            args = (x[:m], words, scale, *([b] if bias else []))
+            f["main"](*[tvm.runtime.tensor(a, dev) for a in args], y)
+            assert rel_err(y.numpy(), ref[:m] + (b if bias else 0)) <= 1e-5, f"{name} m={m}"
+            first_rows.append(y.numpy()[0])
+        for m, row in zip((3, 6), first_rows[1:]):
+            assert np.array_equal(row, first_rows[0]), f"{name}: row 0 differs with {m} rows"

@@ -62,7 +62,7 @@ def test_is_scheduled_keeps_dlight_away() -> None:
 
 KERNELS = {
     "linear_f": lambda: matmul.linear_f(64, 16, "float32", True),
-    "linear_q4": lambda: matmul.linear_q4(64, 16, "float32", False, avx512=True),
+    "linear_q4": lambda: matmul.linear_q4(64, 16, "float32", False),
     "gemv_q4": lambda: gemv.gemv_q4(128, 8, "float16", bias=True),
     "gemv_f": lambda: gemv.gemv_f(64, 8, "float32"),
     "prefill_ragged": lambda: attention.attention_prefill_ragged_cpu(1, 2, 16, 16, "float32"),

@@ -9,8 +9,10 @@ Weight layout is "NT": W[N, K] row-major, so both operands of every dot product 
 along K. A 4-bit weight row is stored as uint32 words, 8 nibbles each, with one scale per group of
 32 values; value = (nibble - 8) * scale. A thread dequantizes the block of rows it owns into a
 small scratch buffer (NB rows) and reuses it for every row of X, so dequantization is fused into
-the kernel and no full-precision copy of a weight exists at run time. A 4-bit call with a single
-row of X (decode) branches at run time to the register-unpacking GEMV of `gemv` instead.
+the kernel and no full-precision copy of a weight exists at run time. Decode runs the
+register-unpacking GEMV of `gemv` instead; which of the two runs is the caller's choice, never the
+row count's, because the two sum in different orders and a sequence must get the same bits
+whether it is alone in a call or batched with others.
 
 Any reduction size K works: the register tiles cover K // 16 vectors and a K that is not a
 multiple of 16 ends with a scalar tail (no tail code at all for the usual shapes). A 4-bit weight
@@ -33,7 +35,6 @@ from localchat.engine.kernels.common import (
     padded_k,
     scheduled,
 )
-from localchat.engine.kernels.gemv import gemv_q4_macro
 
 ROW_TILE = 4  # rows of X per register tile
 COL_TILE = 4  # rows of W per register tile
@@ -47,16 +48,13 @@ def linear_f(k: int, n: int, dtype: str, bias: bool) -> tirx.PrimFunc:
 
 
 @functools.cache  # parsing the TVMScript is most of a model's export time
-def linear_q4(k: int, n: int, dtype: str, bias: bool, avx512: bool = False) -> tirx.PrimFunc:
+def linear_q4(k: int, n: int, dtype: str, bias: bool) -> tirx.PrimFunc:
     """Y[m, n] = X[m, k] @ dequant(Wq[n, kp/8], S[n, kp/32])^T (+ b), kp = `padded_k(k)`,
-    dequantized in-kernel; a call with one row of X runs the decode GEMV of `gemv` instead
-    (`avx512`: its table-lookup form)."""
-    return _linear(k, n, dtype, bias, quantized=True, avx512=avx512)
+    dequantized in-kernel."""
+    return _linear(k, n, dtype, bias, quantized=True)
 
 
-def _linear(
-    k: int, n: int, dtype: str, bias: bool, quantized: bool, avx512: bool = False
-) -> tirx.PrimFunc:
+def _linear(k: int, n: int, dtype: str, bias: bool, quantized: bool) -> tirx.PrimFunc:
     kp = padded_k(k) if quantized else k  # the stored width of a weight row
     kw = kp // NIBBLES_PER_WORD
     kg = kp // GROUP_SIZE
@@ -127,25 +125,20 @@ def _linear(
             else:
                 y[i0 + ii, j0 + jt + jj] = T.Cast(dtype, red[0])
 
-    gemv = gemv_q4_macro(k, n, dtype, bias, avx512) if quantized else None
-
     @T.macro
     def body(var_x, w, s, b, var_y):
         m = T.int64()
         x = T.match_buffer(var_x, (m, k), dtype)
         y = T.match_buffer(var_y, (m, n), dtype)
-        if quantized and m == 1:
-            gemv(x, w, s, b, y, 1)
-        else:
-            for jo in T.parallel(n // nb):
-                wbuf = T.alloc_buffer((nb, kp), acc_t)
-                fill(wbuf, w, s, jo * nb)
-                for io in range(m // ROW_TILE):
-                    for jt in range(nb // ct):
-                        tile(x, wbuf, y, b, io * ROW_TILE, ROW_TILE, jo * nb, jt * ct)
-                for it in range(m % ROW_TILE):
-                    for jt in range(nb // ct):
-                        tile(x, wbuf, y, b, m - m % ROW_TILE + it, 1, jo * nb, jt * ct)
+        for jo in T.parallel(n // nb):
+            wbuf = T.alloc_buffer((nb, kp), acc_t)
+            fill(wbuf, w, s, jo * nb)
+            for io in range(m // ROW_TILE):
+                for jt in range(nb // ct):
+                    tile(x, wbuf, y, b, io * ROW_TILE, ROW_TILE, jo * nb, jt * ct)
+            for it in range(m % ROW_TILE):
+                for jt in range(nb // ct):
+                    tile(x, wbuf, y, b, m - m % ROW_TILE + it, 1, jo * nb, jt * ct)
 
     if quantized and bias:
 

@@ -2,9 +2,11 @@
 
 A Linear holds its weight as float [out, in] or, in a 4-bit mode, as packed words and scales
 (see `localchat.engine.quantization`). On the CPU its product runs in the hand-scheduled kernels
-of `kernels.matmul` (a one-row call in the decode GEMV of `kernels.gemv`, in its AVX-512 form when
-`avx512`); on GPUs it is expressed as dequantize + matmul, which FuseOps/FuseTIR merge into one
-kernel that dlight then schedules.
+of `kernels.matmul`, or with `gemv` (decode and logits: a few rows) in the decode GEMV of
+`kernels.gemv` (its AVX-512 form when `avx512`). The caller chooses by the kind of step, never by
+the row count: the two kernels sum in different orders, and a sequence must get the same bits
+alone as batched with others. On GPUs it is expressed as dequantize + matmul, which
+FuseOps/FuseTIR merge into one kernel that dlight then schedules.
 
 A 4-bit weight whose reduction size is not a multiple of the group size is stored padded to whole
 groups with zero weights (`quantization.padded_k`); every kernel and the GPU dequantize read only
@@ -17,6 +19,7 @@ from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
+from localchat.engine.kernels import gemv as gemv_kernels
 from localchat.engine.kernels import matmul
 from localchat.engine.quantization import GROUP_SIZE, NIBBLES_PER_WORD, QuantMode, padded_k
 
@@ -54,9 +57,9 @@ class Linear(nn.Module):
             self.scale = None
         self.bias = nn.Parameter((out_features,), mode.dtype) if bias else None
 
-    def forward(self, x: nn.Tensor) -> nn.Tensor:
+    def forward(self, x: nn.Tensor, gemv: bool = False) -> nn.Tensor:
         return linear(
-            x, self.weight, self.scale, self.bias, self.mode, self.target_kind, self.avx512
+            x, self.weight, self.scale, self.bias, self.mode, self.target_kind, self.avx512, gemv
         )
 
 
@@ -68,9 +71,10 @@ def linear(
     mode: QuantMode,
     target_kind: str,
     avx512: bool = False,
+    gemv: bool = False,
 ) -> nn.Tensor:
-    """x [..., K] times weight [N, K]^T, dispatching on target and quantization (`avx512`: the
-    llvm target has AVX-512F, for the one-row GEMV)."""
+    """x [..., K] times weight [N, K]^T, dispatching on target and quantization; on the CPU
+    with `gemv` in the decode GEMV (`avx512`: the llvm target has AVX-512F)."""
     n = weight.shape[0]
     k = x.shape[-1]
     lead = list(x.shape[:-1])
@@ -79,8 +83,13 @@ def linear(
         for d in lead:
             rows = rows * d
         x2 = op.reshape(x, (rows, k))
-        if mode.quantized:
-            func = matmul.linear_q4(int(k), int(n), mode.dtype, bias is not None, avx512)
+        func_is_gemv = gemv and (mode.quantized or bias is None)
+        if gemv and mode.quantized:
+            func = gemv_kernels.gemv_q4(int(k), int(n), mode.dtype, avx512, bias is not None)
+        elif gemv and bias is None:
+            func = gemv_kernels.gemv_f(int(k), int(n), mode.dtype)
+        elif mode.quantized:
+            func = matmul.linear_q4(int(k), int(n), mode.dtype, bias is not None)
         else:
             func = matmul.linear_f(int(k), int(n), mode.dtype, bias is not None)
         args = (
@@ -90,7 +99,7 @@ def linear(
         )
         out = op.tensor_ir_op(
             func,
-            "linear_q4" if mode.quantized else "linear",
+            "gemv" if func_is_gemv else "linear_q4" if mode.quantized else "linear",
             args=args,
             out=nn.Tensor.placeholder((rows, n), mode.dtype),
         )
@@ -153,8 +162,11 @@ class Embedding(nn.Module):
         )
 
     def lm_head(self, x: nn.Tensor) -> nn.Tensor:
-        """Logits from hidden states with the embedding matrix as the output projection."""
-        return linear(x, self.weight, self.scale, None, self.mode, self.target_kind, self.avx512)
+        """Logits from hidden states with the embedding matrix as the output projection (in the
+        decode GEMV: logits are a few rows, and always the same kernel)."""
+        return linear(
+            x, self.weight, self.scale, None, self.mode, self.target_kind, self.avx512, gemv=True
+        )
 
 
 def take_last_token(x: nn.Tensor) -> nn.Tensor:

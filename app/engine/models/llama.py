@@ -127,13 +127,15 @@ class LlamaAttention(nn.Module):
             self.num_q * self.head_dim, cfg.hidden_size, cfg.o_bias, mode, tk, avx512
         )
 
-    def forward(self, x: nn.Tensor, cache: PagedKVCache, layer_id: int) -> nn.Tensor:
+    def forward(self, x: nn.Tensor, cache: PagedKVCache, layer_id: int, gemv: bool) -> nn.Tensor:
         b, s, _ = x.shape
-        qkv = op.reshape(self.qkv_proj(x), (b, s, self.num_q + 2 * self.num_kv, self.head_dim))
+        qkv = op.reshape(
+            self.qkv_proj(x, gemv), (b, s, self.num_q + 2 * self.num_kv, self.head_dim)
+        )
         out = cache.attention_with_fused_qkv(
             layer_id, qkv, self.num_q, sm_scale=self.head_dim**-0.5
         )
-        return self.o_proj(op.reshape(out, (b, s, self.num_q * self.head_dim)))
+        return self.o_proj(op.reshape(out, (b, s, self.num_q * self.head_dim)), gemv)
 
 
 class LlamaMLP(nn.Module):
@@ -142,9 +144,9 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(h, 2 * f, False, mode, tk, avx512)
         self.down_proj = Linear(f, h, False, mode, tk, avx512)
 
-    def forward(self, x: nn.Tensor) -> nn.Tensor:
-        gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(op.silu(gate) * up)
+    def forward(self, x: nn.Tensor, gemv: bool) -> nn.Tensor:
+        gate, up = op.split(self.gate_up_proj(x, gemv), 2, axis=-1)
+        return self.down_proj(op.silu(gate) * up, gemv)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -157,9 +159,9 @@ class LlamaDecoderLayer(nn.Module):
         )
         self.mlp = LlamaMLP(cfg, mode, tk, avx512)
 
-    def forward(self, x: nn.Tensor, cache: PagedKVCache, layer_id: int) -> nn.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cache, layer_id)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: nn.Tensor, cache: PagedKVCache, layer_id: int, gemv: bool) -> nn.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cache, layer_id, gemv)
+        return x + self.mlp(self.post_attention_layernorm(x), gemv)
 
 
 class LlamaModel(nn.Module):
@@ -170,9 +172,12 @@ class LlamaModel(nn.Module):
         )
         self.norm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False, dtype=mode.dtype)
 
-    def forward(self, x: nn.Tensor, cache: PagedKVCache) -> nn.Tensor:
+    def forward(self, x: nn.Tensor, cache: PagedKVCache, gemv: bool = False) -> nn.Tensor:
+        """The decoder stack; `gemv`: a decode step (one token per sequence), whose Linears run
+        in the decode GEMV on the CPU whatever the batch size, so a sequence's bits do not
+        depend on what it is batched with."""
         for layer_id, layer in enumerate(self.layers):
-            x = layer(x, cache, layer_id)
+            x = layer(x, cache, layer_id, gemv)
         return self.norm(x)
 
 
@@ -184,7 +189,7 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.mode = mode
         self.target = target
-        avx512 = has_avx512(target)  # the one-row GEMV unpacks by table lookup
+        avx512 = has_avx512(target)  # the decode GEMV unpacks by table lookup
         self.model = LlamaModel(cfg, mode, tk, avx512)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, mode, tk, avx512)
@@ -193,7 +198,7 @@ class LlamaForCausalLM(nn.Module):
         if self.cfg.tie_word_embeddings:
             logits = self.model.embed_tokens.lm_head(h)
         else:
-            logits = self.lm_head(h)
+            logits = self.lm_head(h, gemv=True)  # logits: a few rows, always the same kernel
         return logits.astype("float32") if logits.dtype != "float32" else logits
 
     def embed(self, input_ids: nn.Tensor) -> nn.Tensor:
@@ -205,7 +210,9 @@ class LlamaForCausalLM(nn.Module):
         return self._logits(take_last_token(hidden)), paged_kv_cache
 
     def decode(self, input_embed: nn.Tensor, paged_kv_cache: PagedKVCache):
-        hidden = self.model(op.reshape(input_embed, (1, 1, input_embed.shape[-1])), paged_kv_cache)
+        hidden = self.model(
+            op.reshape(input_embed, (1, 1, input_embed.shape[-1])), paged_kv_cache, gemv=True
+        )
         return self._logits(hidden), paged_kv_cache
 
     def batch_prefill(
@@ -218,7 +225,7 @@ class LlamaForCausalLM(nn.Module):
 
     def batch_decode(self, input_embeds: nn.Tensor, paged_kv_cache: PagedKVCache):
         b, h = input_embeds.shape
-        hidden = self.model(op.reshape(input_embeds, (b, 1, h)), paged_kv_cache)
+        hidden = self.model(op.reshape(input_embeds, (b, 1, h)), paged_kv_cache, gemv=True)
         return self._logits(op.reshape(hidden, (b, h))), paged_kv_cache
 
     def create_paged_kv_cache(

@@ -37,7 +37,6 @@ from tvm.target import Target
 
 from localchat.engine.kernels import wkv
 from localchat.engine.kernels.common import has_avx512
-from localchat.engine.kernels.gemv import gemv_f, gemv_q4
 from localchat.engine.models import Architecture
 from localchat.engine.models.layers import Embedding, Linear
 from localchat.engine.models.rwkv4_state import (
@@ -129,10 +128,10 @@ def _const_ends(x: nn.Tensor, kind: str) -> nn.Tensor:
     return op.tensor_expr_op(compute, f"{kind}_ends", args=[x])
 
 
-def _project(lin: Linear, x: nn.Tensor, gemv: bool, avx512: bool = False) -> nn.Tensor:
+def _project(lin: Linear, x: nn.Tensor, gemv: bool) -> nn.Tensor:
     """lin(x) for x [rows, in]; with `gemv` (decode: a few rows) on the CPU, in the
     matrix-vector kernels of `kernels.gemv` that unpack weights in registers."""
-    k, n, mode = lin.in_features, lin.out_features, lin.mode
+    k, n = lin.in_features, lin.out_features
     if lin.target_kind != "llvm":
         # GPUs: dequantize + matmul scheduled by dlight, in the shapes the Llama family uses:
         # [1, rows, k] for prefill, [rows, 1, k] for decode (dlight's Matmul rule segfaults in
@@ -140,16 +139,7 @@ def _project(lin: Linear, x: nn.Tensor, gemv: bool, avx512: bool = False) -> nn.
         rows = x.shape[0]
         shape = (rows, 1, k) if gemv else (1, rows, k)
         return op.reshape(lin(op.reshape(x, shape)), (rows, n))
-    if not gemv or lin.bias is not None:
-        return lin(x)
-    # any k: 4-bit weights are stored padded to whole groups, gemv_f has a scalar tail
-    if mode.quantized:
-        func = gemv_q4(k, n, mode.dtype, avx512)
-        args = [x, lin.weight, lin.scale]
-    else:
-        func, args = gemv_f(k, n, mode.dtype), [x, lin.weight]
-    out = nn.Tensor.placeholder((x.shape[0], n), mode.dtype)
-    return op.tensor_ir_op(func, "gemv", args=args, out=out)
+    return lin(x, gemv=gemv)
 
 
 def _take_rows(x: nn.Tensor, rows: nn.Tensor) -> nn.Tensor:
@@ -169,7 +159,6 @@ def _take_rows(x: nn.Tensor, rows: nn.Tensor) -> nn.Tensor:
 class TimeMix(nn.Module):
     def __init__(self, cfg: Rwkv4Config, mode: QuantMode, tk: str, avx512: bool) -> None:
         h, a, dt = cfg.hidden_size, cfg.attention_hidden_size, mode.dtype
-        self.avx512 = avx512
         self.gpu = tk != "llvm"
         self.attention_size = a
         self.dtype = dt
@@ -192,9 +181,9 @@ class TimeMix(nn.Module):
         xk, xv, xr = _token_mix(
             xx, prev, start_of, self.time_mix_k, self.time_mix_v, self.time_mix_r
         )
-        k = _project(self.key, xk, gemv, self.avx512)
-        v = _project(self.value, xv, gemv, self.avx512)
-        r = op.sigmoid(_project(self.receptance, xr, gemv, self.avx512))
+        k = _project(self.key, xk, gemv)
+        v = _project(self.value, xv, gemv)
+        r = op.sigmoid(_project(self.receptance, xr, gemv))
         n = xx.shape[0]
         y, aa, bb, pp = op.tensor_ir_op(
             wkv.wkv_scan(a, dt, self.gpu),
@@ -211,13 +200,12 @@ class TimeMix(nn.Module):
         state = state.set(layer_id, ATT_A, aa)
         state = state.set(layer_id, ATT_B, bb)
         state = state.set(layer_id, ATT_P, pp)
-        return _project(self.output, r * y, gemv, self.avx512), state
+        return _project(self.output, r * y, gemv), state
 
 
 class ChannelMix(nn.Module):
     def __init__(self, cfg: Rwkv4Config, mode: QuantMode, tk: str, avx512: bool) -> None:
         h, f, dt = cfg.hidden_size, cfg.intermediate_size, mode.dtype
-        self.avx512 = avx512
         self.dtype = dt
         self.time_mix_k = nn.Parameter((h,), dt)
         self.time_mix_r = nn.Parameter((h,), dt)
@@ -228,10 +216,10 @@ class ChannelMix(nn.Module):
     def forward(self, xx, ends, start_of, state: RnnState, layer_id: int, batch, gemv: bool):
         prev = state.get(layer_id, FFN_X, batch, xx.shape[-1], self.dtype)
         xk, xr = _token_mix(xx, prev, start_of, self.time_mix_k, self.time_mix_r)
-        k = op.square(op.relu(_project(self.key, xk, gemv, self.avx512)))
-        r = op.sigmoid(_project(self.receptance, xr, gemv, self.avx512))
+        k = op.square(op.relu(_project(self.key, xk, gemv)))
+        r = op.sigmoid(_project(self.receptance, xr, gemv))
         state = state.set(layer_id, FFN_X, _take_rows(xx, ends))
-        return r * _project(self.value, k, gemv, self.avx512), state
+        return r * _project(self.value, k, gemv), state
 
 
 class Block(nn.Module):
@@ -277,7 +265,7 @@ class Rwkv4ForCausalLM(nn.Module):
             if every > 0 and (i + 1) % every == 0:
                 x = x / 2.0
         # the head always sees one row per sequence
-        logits = _project(self.head, self.ln_out(_take_rows(x, ends)), True, self.avx512)
+        logits = _project(self.head, self.ln_out(_take_rows(x, ends)), True)
         if logits.dtype != "float32":
             logits = logits.astype("float32")
         return logits, state
