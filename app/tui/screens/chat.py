@@ -28,6 +28,8 @@ from localchat.tui.settings import ChatSettings
 from localchat.tui.widgets.messages import MessageView
 from localchat.tui.widgets.prompt import PromptInput
 
+RENDER_INTERVAL_S = 0.08  # shortest time between two Markdown renders of a streaming reply
+
 
 @dataclass
 class LiveStats:
@@ -291,6 +293,7 @@ class ChatScreen(Screen[None]):
         started = time.monotonic()
         first_token: float | None = None
         tokens, pieces, last_draw = 0, [], 0.0
+        unwritten, last_write = [], 0.0
         reply = None
         error: str | None = None
         writer = Markdown.get_stream(view.body)
@@ -307,7 +310,14 @@ class ChatScreen(Screen[None]):
                         self.stats.ttft_s = now - started
                 if event.text:
                     pieces.append(event.text)
-                    await writer.write(event.text)
+                    unwritten.append(event.text)
+                # Markdown is re-rendered at most ~12 times a second, not per token: on a
+                # 2-core machine every render takes CPU from the decode threads.
+                if unwritten and (now - last_write >= RENDER_INTERVAL_S
+                                  or isinstance(event, FinishEvent)):
+                    last_write = now
+                    await writer.write("".join(unwritten))
+                    unwritten.clear()
                 if first_token is not None and now - last_draw > 0.25:
                     last_draw = now
                     if tokens > 1 and now > first_token:
