@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from textual.widgets import Input, Label, Select, Static, TextArea
-from tui_helpers import chat_ready, send, set_fields, wait_for
+from tui_helpers import chat_ready, send, set_fields, stop_a_long_reply, wait_for
 
 from localchat import Engine
 from localchat.tui.app import LocalchatApp
@@ -86,17 +86,7 @@ async def test_escape_stops_the_reply_and_keeps_the_partial_text_marked(
     app = LocalchatApp(model="smollm2", backend=backend)
     async with app.run_test(size=SIZE) as pilot:
         screen = await chat_ready(pilot, app)
-        screen.query_one(PromptInput).focus()
-        await pilot.press(*"Write a very long story about a dragon.")
-        await pilot.press("enter")
-        await wait_for(pilot, lambda: screen.stats.completion_tokens >= 3,
-                       what="the first tokens")
-        await pilot.press("escape")
-        await wait_for(pilot, lambda: not screen.busy, timeout=10, what="the reply to stop")
-        answer = screen.views[-1]
-        assert answer.status == "cancelled" and answer.content
-        assert "stopped" in str(answer.query_one(".message-header", Label).render())
-        assert answer.body.source == answer.content
+        answer = await stop_a_long_reply(pilot, screen)
         assert screen.stats.completion_tokens < 200
     stored = ChatDB().messages(screen.conversation_id)
     assert stored[-1].status == "cancelled" and stored[-1].content == answer.content

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from server.serve_helpers import MODEL_REF, Server, free_port, make_home, start_server, stop_server
 from textual.widgets import DataTable, Label, Static
-from tui_helpers import chat_ready, send, set_fields, wait_for
+from tui_helpers import chat_ready, send, set_fields, stop_a_long_reply, wait_for
 
 from localchat import Engine
 from localchat.tui.app import LocalchatApp
@@ -28,7 +28,6 @@ from localchat.tui.remote import RemoteBackend, request_body
 from localchat.tui.screens.chat import ChatScreen
 from localchat.tui.screens.models import ModelsScreen
 from localchat.tui.settings import ChatSettings
-from localchat.tui.widgets.prompt import PromptInput
 
 SIZE = (120, 40)
 KEY = "tui-test-key"
@@ -118,17 +117,7 @@ async def test_escape_stops_the_remote_reply_keeping_the_partial_text(
     app = LocalchatApp(model="smollm2", backend=backend)
     async with app.run_test(size=SIZE) as pilot:
         screen = await chat_ready(pilot, app)
-        screen.query_one(PromptInput).focus()
-        await pilot.press(*"Write a very long story about a dragon.")
-        await pilot.press("enter")
-        await wait_for(pilot, lambda: screen.stats.completion_tokens >= 3,
-                       what="the first tokens")
-        await pilot.press("escape")
-        await wait_for(pilot, lambda: not screen.busy, timeout=10, what="the reply to stop")
-        answer = screen.views[-1]
-        assert answer.status == "cancelled" and answer.content
-        assert "stopped" in str(answer.query_one(".message-header", Label).render())
-        assert answer.body.source == answer.content
+        answer = await stop_a_long_reply(pilot, screen)
         assert screen.last_stats is not None
         assert screen.last_stats.finish_reason == "cancelled"
         assert screen.last_stats.completion_tokens < 300

@@ -1,5 +1,5 @@
 """Pilot helpers shared by the terminal-UI tests: wait on a condition, open a chat and wait for
-its model, fill the settings dialog, send a prompt and wait for the reply."""
+its model, fill the settings dialog, send a prompt and wait for the reply, stop a long one."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from textual.widgets import Input
+from textual.widgets import Input, Label
 
 from localchat.tui.app import LocalchatApp
 from localchat.tui.screens.chat import ChatScreen
 from localchat.tui.screens.dialogs import SettingsScreen
+from localchat.tui.widgets.messages import MessageView
 from localchat.tui.widgets.prompt import PromptInput
 
 
@@ -59,3 +60,19 @@ async def send(pilot, screen: ChatScreen, text: str, timeout: float = 60) -> Non
     await pilot.press("enter")
     await wait_for(pilot, lambda: not screen.busy and screen.views[-1] is not last
                    and screen.views[-1].role == "assistant", timeout=timeout, what="the reply")
+
+
+async def stop_a_long_reply(pilot, screen: ChatScreen) -> MessageView:
+    """Ask for a long story, press Esc after its first tokens, and check the partial reply is
+    kept and marked stopped; its view."""
+    screen.query_one(PromptInput).focus()
+    await pilot.press(*"Write a very long story about a dragon.")
+    await pilot.press("enter")
+    await wait_for(pilot, lambda: screen.stats.completion_tokens >= 3, what="the first tokens")
+    await pilot.press("escape")
+    await wait_for(pilot, lambda: not screen.busy, timeout=10, what="the reply to stop")
+    answer = screen.views[-1]
+    assert answer.status == "cancelled" and answer.content
+    assert "stopped" in str(answer.query_one(".message-header", Label).render())
+    assert answer.body.source == answer.content
+    return answer
