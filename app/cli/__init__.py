@@ -51,7 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler: Handler | None = getattr(args, "handler", None)
     try:
         if handler is None:
-            return tui.launch(args.tui_model, args.tui_server, args.tui_device, args.tui_api_key)
+            return tui.launch(args.tui_model, args.tui_server, args.tui_device, args.tui_api_key,
+                              args.tui_threads)
         return handler(args)
     except LocalchatError as exc:
         print(f"localchat: error: {exc}", file=sys.stderr)

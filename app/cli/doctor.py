@@ -54,6 +54,14 @@ def _doctor_report(verify: bool = False) -> dict[str, Any]:
     from localchat.downloader.space import free_bytes
 
     report: dict[str, Any] = {"localchat": __version__, "python": platform.python_version()}
+    from localchat.engine import threads
+
+    try:
+        count, error = threads.configure_threads(), None
+    except threads.ThreadCountError as exc:
+        count, error = threads.ensure_threads(), str(exc)
+    report["threads"] = {"count": count, "physical_cores": threads.physical_cores(),
+                         "error": error}
     try:
         import tvm
 
@@ -114,6 +122,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         print(f"auto       {auto['kind']} ({auto['target']}){why}")
     else:
         print(f"TVM        not usable: {report.get('tvm_error')}")
+    th = report["threads"]
+    note = th["error"] or (f"{th['physical_cores']} physical cores; --threads N or "
+                           "LOCALCHAT_NUM_THREADS to change")
+    print(f"threads    {th['count']} ({note})")
     for name, info in report["store"].items():
         extra = f", {info['count']} model(s)" if "count" in info else ""
         print(f"{name:<10} {info['path']} ({human_size(info['free_bytes'])} free{extra})")

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from localchat.cli.common import report_end, write_reply
+from localchat.cli.common import add_threads_argument, report_end, write_reply
 from localchat.errors import InvalidRequestError, LocalchatError
 
 CHAT_DEFAULT_MAX_TOKENS = 1024  # a turn of the interactive chat; one message: up to the window
@@ -52,6 +52,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="when a chat outgrows the window: drop the oldest turns, or stop with an error",
     )
     p.add_argument("--device", default="auto")
+    add_threads_argument(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (the reply, its tokens, stats)")
     fmt = p.add_mutually_exclusive_group()
@@ -225,6 +226,9 @@ def _open_engine(args: argparse.Namespace, options: dict[str, Any]) -> Any:
     """The engine for `args.model`; Engine.open raises user errors before the model loads."""
     from localchat.cli.common import log
     from localchat.engine.engine import Engine  # imports TVM: only once a message is there
+    from localchat.engine.threads import configure_threads
+
+    configure_threads(args.threads)
 
     try:
         return Engine.open(

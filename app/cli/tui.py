@@ -8,6 +8,8 @@ import argparse
 import os
 import sys
 
+from localchat.cli.common import add_threads_argument
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The top-level options of the UI (`localchat --model NAME --server URL`)."""
@@ -16,6 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", dest="tui_device", metavar="DEVICE",
                         help="device for the terminal UI's models: auto, cpu, cuda, metal, "
                         "vulkan (default: auto)")
+    add_threads_argument(parser, dest="tui_threads")
     parser.add_argument("--server", metavar="URL", dest="tui_server",
                         help="chat with the models of a running `localchat serve` (or another "
                         "OpenAI-compatible server) at URL instead of loading them here")
@@ -24,8 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def launch(model: str | None, server: str | None, device: str = "auto",
-           api_key: str | None = None) -> int:
+           api_key: str | None = None, threads: int | None = None) -> int:
     """Run the terminal UI until it quits; its exit status."""
+    from localchat.engine.threads import configure_threads
+
+    configure_threads(threads)  # before a model loads; a bad $LOCALCHAT_NUM_THREADS said now
     backend = None
     if server is not None:
         from localchat.tui.remote import API_KEY_ENV, RemoteBackend, ServerError

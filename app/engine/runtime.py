@@ -8,7 +8,6 @@ batched call, fork copies a sequence's state, remove frees it.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from localchat.engine.compile import CompiledLibrary, model_library, quiet_nativ
 from localchat.engine.device import Device, select_device
 from localchat.engine.models import get_architecture
 from localchat.engine.quantization import get_quant_mode
+from localchat.engine.threads import ensure_threads
 from localchat.engine.tokenizer import Tokenizer, load_tokenizer
 from localchat.errors import (
     GenerationError,
@@ -35,9 +35,9 @@ from localchat.errors import (
 )
 
 PAGE_SIZE = 16
-# TVM's CPU thread pool defaults to half the logical CPUs on x86 (one thread on a 2-vCPU
-# machine) and asks the OS on every parallel launch unless this is set; it is read per launch.
-os.environ.setdefault("TVM_NUM_THREADS", str(os.cpu_count() or 1))
+# TVM's thread count (`threads`: --threads, LOCALCHAT_NUM_THREADS, else physical cores); set
+# before any engine's scheduler thread creates its pool.
+ensure_threads()
 RNN_HISTORY = 1  # RNN-state slots kept per sequence (1: no rollback, popn unsupported)
 _LOAD_LOCK = threading.Lock()  # the runtime's tensor cache is one per process
 

@@ -8,6 +8,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from localchat.engine.threads import THREADS_HELP, configure_threads, thread_count_argument
 from localchat.errors import InvalidRequestError, LocalchatError
 from localchat.server.config import DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAULT_PORT, ServerConfig
 
@@ -31,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                    help=f"largest request body (default {DEFAULT_MAX_BODY_BYTES})")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, metal or vulkan")
+    p.add_argument("--threads", type=thread_count_argument, default=None, metavar="N",
+                   help=THREADS_HELP)
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -40,6 +43,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         low = 0 if name in ("port", "max_queue") else 1
         if value < low:
             raise InvalidRequestError(f"--{name.replace('_', '-')} must be >= {low}", name)
+    configure_threads(getattr(args, "threads", None))  # before any model loads
     return ServerConfig(host=args.host, port=args.port, models=list(args.model),
                         api_key=args.api_key, cors_origins=list(args.cors_origin),
                         max_concurrency=args.max_concurrency, max_queue=args.max_queue,
