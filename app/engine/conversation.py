@@ -108,8 +108,11 @@ class Conversation:
             messages = [*self._messages, {"role": "user", "content": content}]
         try:
             plan = self.engine.planner.plan(
-                messages, cfg.max_tokens, overflow=self.overflow,
-                held_tokens=held_tokens, held_text=held_text,
+                messages,
+                cfg.max_tokens,
+                overflow=self.overflow,
+                held_tokens=held_tokens,
+                held_text=held_text,
             )
             request = self.engine.make_request(plan, cfg, seq=seq, owner=self)
             request.held_text_before = held_text

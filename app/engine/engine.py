@@ -65,6 +65,10 @@ class Engine:
         smaller).
     config: default generation parameters (default: the model's generation_config.json).
     max_queue: requests that may wait for a free slot before EngineBusyError (None: no limit).
+    prefix_cache: keep finished sequences so a prompt sharing a prefix with one (a system
+        prompt, a resent history) prefills only the rest, and let a conversation roll back to
+        a common prefix (None: on unless LOCALCHAT_PREFIX_CACHE=0).
+    prefix_cache_tokens: most tokens the kept sequences hold (None: the KV cache's size).
     """
 
     def __init__(
@@ -77,6 +81,8 @@ class Engine:
         reply_reserve: int = DEFAULT_REPLY_RESERVE,
         config: GenerationConfig | None = None,
         max_queue: int | None = None,
+        prefix_cache: bool | None = None,
+        prefix_cache_tokens: int | None = None,
     ) -> None:
         if not isinstance(model, Model):
             raise TypeError("Engine() takes a loaded Model; use Engine.open(name or folder)")
@@ -112,14 +118,22 @@ class Engine:
         )
         add_bos = bool(self.model.meta.get("add_bos"))
         bos = self.model.meta.get("bos_token_id")
+        self.scheduler = Scheduler(
+            self.model,
+            max_queue=max_queue,
+            prefix_cache=prefix_cache,
+            prefix_cache_tokens=prefix_cache_tokens,
+        )
         self.planner = PromptPlanner(
             self.template,
             self.tokenizer,
             context_window=self.context_window,
             reply_reserve=reply_reserve,
             bos_token_id=int(bos) if add_bos and bos is not None else None,
+            # Rolling a conversation back is part of the prefix cache: off with it, so that
+            # switching it off restores plain re-prefill everywhere.
+            rollback=self.scheduler.cache is not None and self.model.supports_rollback,
         )
-        self.scheduler = Scheduler(self.model, max_queue=max_queue)
         self._grammars: GrammarCache | None = None
 
     @property
@@ -155,6 +169,8 @@ class Engine:
         options: Mapping[str, Any] | None = None,
         max_batch_size: int = 8,
         max_queue: int | None = None,
+        prefix_cache: bool | None = None,
+        prefix_cache_tokens: int | None = None,
         log: Callable[[str], None] | None = None,
     ) -> Engine:
         """A ready engine for a store name (`name` or `name:quant`) or a model directory.
@@ -173,10 +189,24 @@ class Engine:
             resolve_template(model_dir, template, meta.get("template"))
         _check_window(context_window, int(meta["context_window_size"]))
         check_policy(overflow)
-        model = Model(model_dir, device, max_batch_size=max_batch_size,
-                      max_total_tokens=context_window, log=log)
-        return cls(model, template=template, context_window=context_window, overflow=overflow,
-                   reply_reserve=reply_reserve, config=cfg, max_queue=max_queue)
+        model = Model(
+            model_dir,
+            device,
+            max_batch_size=max_batch_size,
+            max_total_tokens=context_window,
+            log=log,
+        )
+        return cls(
+            model,
+            template=template,
+            context_window=context_window,
+            overflow=overflow,
+            reply_reserve=reply_reserve,
+            config=cfg,
+            max_queue=max_queue,
+            prefix_cache=prefix_cache,
+            prefix_cache_tokens=prefix_cache_tokens,
+        )
 
     # -- public API --------------------------------------------------------------------------
     @property
@@ -219,10 +249,11 @@ class Engine:
             raise InvalidRequestError("messages must not be empty", "messages")
         if tools and not self.template.supports_tools:
             raise InvalidRequestError(
-                f"the model's chat template ({self.template.name}) does not support tools",
-                "tools")
-        plan = self.planner.plan(messages, cfg.max_tokens, overflow=overflow or self.overflow,
-                                 tools=tools)
+                f"the model's chat template ({self.template.name}) does not support tools", "tools"
+            )
+        plan = self.planner.plan(
+            messages, cfg.max_tokens, overflow=overflow or self.overflow, tools=tools
+        )
         return self.scheduler.submit(self.make_request(plan, cfg))
 
     def complete(
@@ -289,6 +320,7 @@ class Engine:
             vocab_size=self.vocab_size,
             seq=seq,
             reset=plan.reset,
+            rollback=plan.rollback,
             owner=owner,
             prompt_text=plan.text,
             reused_tokens=plan.reused,

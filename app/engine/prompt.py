@@ -4,7 +4,9 @@ holds (the one implementation of prefix reuse between turns), and fitting the co
 A sequence's state holds tokens whose text is known (the rendered prompt plus the reply as it
 was fed). A new prompt reuses that state when the held text is a prefix of the new rendering
 (then only the rest is tokenized and prefilled), or else when the held tokens are a prefix of
-the new prompt's tokens; otherwise the state is reset and the whole prompt prefilled.
+the new prompt's tokens; otherwise, when the state can roll back (a paged KV cache, with the prefix
+cache on), it drops its tokens after the longest common token prefix (a template that rewrites
+earlier turns, a regenerated reply), else it is reset and the whole prompt prefilled.
 """
 
 from __future__ import annotations
@@ -79,7 +81,8 @@ def render_delta(
 class PromptPlan:
     """What a new reply feeds: the messages (after any truncation), their rendered text, the
     tokens to prefill, how many tokens of the sequence's state it reuses, whether that state
-    must be reset first, and how many earlier messages were dropped to fit the window."""
+    must be reset first, how many earlier messages were dropped to fit the window, and how many
+    tokens to drop from the end of the state first (rollback to a common prefix)."""
 
     messages: list[dict[str, Any]]
     text: str
@@ -87,6 +90,7 @@ class PromptPlan:
     reused: int
     reset: bool
     dropped: int = 0
+    rollback: int = 0
 
 
 class PromptPlanner:
@@ -100,8 +104,10 @@ class PromptPlanner:
         context_window: int,
         reply_reserve: int,
         bos_token_id: int | None,
+        rollback: bool = False,
     ) -> None:
         self.template = template
+        self.rollback = rollback  # held states can drop their last tokens (paged KV cache)
         self.tokenizer = tokenizer
         self.context_window = context_window
         self.reply_reserve = reply_reserve
@@ -119,8 +125,9 @@ class PromptPlanner:
 
     def count(self, messages: Sequence[Message], tools: Sequence[Message] | None = None) -> int:
         """Tokens of the prompt for `messages` (with the generation prompt) from scratch."""
-        return len(self.encode(self.template.render(messages, add_generation_prompt=True,
-                                                    tools=tools)))
+        return len(
+            self.encode(self.template.render(messages, add_generation_prompt=True, tools=tools))
+        )
 
     def reserve(self, max_tokens: int | None) -> int:
         """Tokens kept free for the reply: the reserve, or max_tokens when smaller."""
@@ -136,25 +143,31 @@ class PromptPlanner:
             raise ContextWindowError(
                 f"{what} is {tokens} tokens; with {reserve} for the reply it exceeds the "
                 f"context window of {self.context_window}",
-                prompt_tokens=tokens, context_window=self.context_window, param="prompt",
+                prompt_tokens=tokens,
+                context_window=self.context_window,
+                param="prompt",
             )
 
     def continuation(
         self, text: str, held_tokens: Sequence[int], held_text: str | None
-    ) -> tuple[list[int], int, bool]:
-        """(tokens to prefill, tokens reused, reset first) for prompt `text` on a sequence that
-        holds `held_tokens` whose text is `held_text` (None: unknown)."""
+    ) -> tuple[list[int], int, bool, int]:
+        """(tokens to prefill, tokens reused, reset first, tokens to roll back first) for
+        prompt `text` on a sequence that holds `held_tokens` whose text is `held_text` (None:
+        unknown)."""
         if not held_tokens:
-            return self.encode(text), 0, False
+            return self.encode(text), 0, False, 0
         if held_text is not None and len(text) > len(held_text):
             delta = text_delta(held_text, text)
             if delta.reuses_prefix:
-                return self.tokenizer.encode(delta.new_text), len(held_tokens), False
+                return self.tokenizer.encode(delta.new_text), len(held_tokens), False, 0
         ids = self.encode(text)
         common = common_prefix(held_tokens, ids)
         if common == len(held_tokens) and common < len(ids):
-            return ids[common:], common, False
-        return ids, 0, True
+            return ids[common:], common, False, 0
+        keep = min(common, len(ids) - 1)  # at least one token is prefilled: its logits
+        if self.rollback and keep > 0:
+            return ids[keep:], keep, False, len(held_tokens) - keep
+        return ids, 0, True, 0
 
     def plan(
         self,
@@ -171,7 +184,7 @@ class PromptPlanner:
         check_policy(overflow)
         messages = [dict(m) for m in messages]
         text = self.template.render(messages, add_generation_prompt=True, tools=tools)
-        new_ids, reused, reset = self.continuation(text, held_tokens, held_text)
+        new_ids, reused, reset, rollback = self.continuation(text, held_tokens, held_text)
         reserve = self.reserve(max_tokens)
         window = self.context_window
         dropped = 0
@@ -183,13 +196,14 @@ class PromptPlanner:
                 dropped += len(messages) - len(shorter)
                 messages = shorter
                 text = self.template.render(messages, add_generation_prompt=True, tools=tools)
-                new_ids, reused, reset = self.encode(text), 0, bool(held_tokens)
+                new_ids, reused, reset, rollback = self.continuation(text, held_tokens, None)
             need = reused + len(new_ids)
             if need >= window:
                 raise ContextWindowError(
                     f"the message needs {need} tokens with the system prompt; the context "
                     f"window holds {window}",
-                    prompt_tokens=need, context_window=window,
+                    prompt_tokens=need,
+                    context_window=window,
                 )
         else:
             need = reused + len(new_ids)
@@ -197,11 +211,12 @@ class PromptPlanner:
                 raise ContextWindowError(
                     f"the conversation needs {need} tokens plus {reserve} for the reply; the "
                     f"context window holds {window} (reset the conversation or start a new one)",
-                    prompt_tokens=need + reserve, context_window=window,
+                    prompt_tokens=need + reserve,
+                    context_window=window,
                 )
         if not new_ids:
             raise InvalidRequestError("the prompt is empty", "messages")
-        return PromptPlan(messages, text, new_ids, reused, reset, dropped)
+        return PromptPlan(messages, text, new_ids, reused, reset, dropped, rollback)
 
 
 def drop_oldest_turn(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:

@@ -125,6 +125,8 @@ class Model:
         self._sequences: dict[int, Sequence] = {}
         self._lock = threading.RLock()
         self._tokenizer: Tokenizer | None = None
+        # Callbacks that free an idle sequence (an engine's prefix cache) when a slot is short.
+        self._reclaimers: list[Callable[[], bool]] = []
 
     # -- loading ---------------------------------------------------------------------------
     def _function_names(self) -> list[str]:
@@ -183,18 +185,58 @@ class Model:
             self._sequences[seq.seq_id] = seq
             return seq
 
-    def fork(self, parent: Sequence) -> Sequence:
-        """A new sequence whose state is a copy of `parent`'s."""
+    @property
+    def supports_rollback(self) -> bool:
+        """Whether a sequence can drop its last tokens (`popn`) and be forked at any position:
+        a paged KV cache can; an RNN state (one history slot) only forks at its end."""
+        return self.arch.state != "rnn"
+
+    def fork(self, parent: Sequence, at: int | None = None) -> Sequence:
+        """A new sequence whose state is a copy of `parent`'s first `at` tokens (None: all).
+
+        A paged KV cache shares the parent's whole pages with the child (copy-on-write of the
+        partial last page only), so the parent may be removed while the child lives."""
         with self._lock:
             if len(self._sequences) >= self.max_batch_size:
                 raise GenerationError(
                     f"at most {self.max_batch_size} sequences can be held at once"
                 )
-            child = Sequence(self._next_id, list(parent.tokens))
+            n = len(parent) if at is None else at
+            if not 0 <= n <= len(parent) or (n != len(parent) and not self.supports_rollback):
+                raise GenerationError(f"cannot fork a {len(parent)}-token sequence at {n}")
+            child = Sequence(self._next_id, parent.tokens[:n])
             self._next_id += 1
-            self._kv_fork(self.state, parent.seq_id, child.seq_id, -1)
+            self._kv_fork(self.state, parent.seq_id, child.seq_id, -1 if n == len(parent) else n)
             self._sequences[child.seq_id] = child
             return child
+
+    def popn(self, seq: Sequence, n: int) -> None:
+        """Drop the last `n` tokens of a sequence (KV cache only: an RNN state cannot)."""
+        if n == 0:
+            return
+        if not self.supports_rollback or not 0 < n <= len(seq):
+            raise GenerationError(f"cannot roll back {n} of a {len(seq)}-token sequence")
+        with self._lock:
+            self._kv_popn(self.state, seq.seq_id, n)
+            del seq.tokens[-n:]
+
+    def add_reclaimer(self, reclaim: Callable[[], bool]) -> None:
+        """Register a callback that frees one idle sequence it keeps (True) or cannot."""
+        with self._lock:
+            self._reclaimers.append(reclaim)
+
+    def remove_reclaimer(self, reclaim: Callable[[], bool]) -> None:
+        """Unregister a callback added with `add_reclaimer`."""
+        with self._lock:
+            if reclaim in self._reclaimers:
+                self._reclaimers.remove(reclaim)
+
+    def reclaim(self, exclude: Callable[[], bool] | None = None) -> bool:
+        """Ask the registered callbacks (but `exclude`) to free one idle sequence: several
+        engines may share one model, each keeping sequences the others cannot see."""
+        with self._lock:
+            reclaimers = [r for r in self._reclaimers if r != exclude]
+        return any(r() for r in reclaimers)
 
     def remove(self, seq: Sequence) -> None:
         """Free a sequence's state."""

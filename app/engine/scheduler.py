@@ -9,6 +9,12 @@ so a reply stops within one decode step (or one prefill chunk).
 Whoever keeps a sequence between replies (a `Conversation`) is a `SequenceOwner`: the
 scheduler asks it three things (is your sequence idle, give it up, your reply ended) and
 nothing else.
+
+With the prefix cache on (prefix_cache.py), a sequence no one holds any more (a stateless
+reply's, a closed conversation's) is kept rather than freed, and a request that starts without
+a sequence forks the cached or idle sequence sharing the longest prefix with its prompt and
+prefills only the rest. Cache entries are the first thing given up when a running request
+needs a slot or room.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import numpy as np
 
 from localchat.engine.detokenizer import TextStream
 from localchat.engine.generation_config import GenerationConfig
+from localchat.engine.prefix_cache import PrefixCache, enabled_from_env
 from localchat.engine.prompt import fed_reply_text
 from localchat.engine.runtime import Model, Sequence
 from localchat.engine.sampler import Sampler, sample_batch
@@ -81,6 +88,7 @@ class Request:
     vocab_size: int
     seq: Sequence | None = None
     reset: bool = False
+    rollback: int = 0  # tokens to drop from the end of seq before prefilling
     owner: SequenceOwner | None = None
     prompt_text: str = ""  # the text of every token in seq once the prompt is in
     held_text_before: str | None = ""  # the text seq held when the request was made
@@ -123,11 +131,28 @@ class Scheduler:
 
     max_queue: requests that may wait for a slot; one more raises EngineBusyError (None: no
     limit).
+    prefix_cache: keep finished sequences for reuse by prompts that share a prefix (None:
+        on unless the LOCALCHAT_PREFIX_CACHE environment variable is "0").
+    prefix_cache_tokens: most tokens the kept sequences may hold (None: the KV cache's size;
+        they yield to running requests in any case).
     """
 
-    def __init__(self, model: Model, *, max_queue: int | None = None) -> None:
+    def __init__(
+        self,
+        model: Model,
+        *,
+        max_queue: int | None = None,
+        prefix_cache: bool | None = None,
+        prefix_cache_tokens: int | None = None,
+    ) -> None:
         self.model = model
         self.max_queue = max_queue
+        if prefix_cache is None:
+            prefix_cache = enabled_from_env()
+        budget = model.max_total_tokens if prefix_cache_tokens is None else prefix_cache_tokens
+        self.cache: PrefixCache | None = (
+            PrefixCache(budget, fork_anywhere=model.supports_rollback) if prefix_cache else None
+        )
         self.cond = threading.Condition()
         self._waiting: deque[Request] = deque()
         self._active: list[Request] = []
@@ -135,6 +160,9 @@ class Scheduler:
         self._seqs: dict[int, Sequence] = {}  # every sequence the scheduler allocated
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._reclaimer = self._reclaim_for_others  # (one bound method, to unregister it)
+        if self.cache is not None:
+            model.add_reclaimer(self._reclaimer)
         self._bounded = model.arch.state != "rnn"  # a KV cache has a token budget, RNN state not
         # Counters for benchmarks and tests.
         self.decode_steps = 0
@@ -168,11 +196,11 @@ class Scheduler:
         return request.stream
 
     def release(self, seq: Sequence) -> None:
-        """Free a sequence (an owner closing or resetting)."""
+        """Give up a sequence (an owner closing or resetting): kept in the prefix cache when it
+        is on, else freed."""
         with self.cond:
             self._owners.pop(seq.seq_id, None)
-            self._seqs.pop(seq.seq_id, None)
-            self.model.remove(seq)
+            self._retire(seq)
 
     def close(self) -> None:
         """Cancel everything, stop the thread and free the sequences."""
@@ -184,7 +212,10 @@ class Scheduler:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=10)
+        self.model.remove_reclaimer(self._reclaimer)
         with self.cond:
+            if self.cache is not None:
+                self.cache.clear()
             for seq in list(self._seqs.values()):
                 self.model.remove(seq)
             self._seqs.clear()
@@ -199,6 +230,11 @@ class Scheduler:
         """Tokens held in the state by all sequences the scheduler knows."""
         with self.cond:
             return sum(len(s) for s in self._seqs.values())
+
+    def cached_tokens(self) -> int:
+        """Tokens held by the prefix cache's entries (0 when it is off)."""
+        with self.cond:
+            return self.cache.held_tokens if self.cache is not None else 0
 
     # -- the loop ----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -255,7 +291,7 @@ class Scheduler:
         while self._waiting:
             request = self._waiting[0]
             if request.seq is None:
-                seq = self._new_sequence()
+                seq = self._reuse_prefix(request) or self._new_sequence()
                 if seq is None:
                     if not self._active:
                         self._waiting.popleft()
@@ -268,6 +304,9 @@ class Scheduler:
                     self._owners[seq.seq_id] = request.owner
             if request.reset and len(request.seq):
                 self.model.reset(request.seq)
+            elif request.rollback:
+                self.model.popn(request.seq, request.rollback)
+                request.rollback = 0  # (admission may be retried: pop once)
             if self._bounded and not self._make_room(len(request.prompt_ids)):
                 if not self._active:
                     self._waiting.popleft()
@@ -288,12 +327,71 @@ class Scheduler:
             try:
                 return self.model.new_sequence()
             except GenerationError:
-                if not self._evict_one():
+                if not self._evict_one() and not self.model.reclaim(self._reclaimer):
                     return None
 
-    def _evict_one(self) -> bool:
-        """Drop the state of the least recently used idle conversation; False if there is none."""
-        idle = [h for h in self._owners.values() if h.holds_idle_sequence()]
+    def _reclaim_for_others(self) -> bool:
+        """Free one prefix-cache entry for another engine on the same model (never waits for
+        this scheduler's lock: two engines reclaiming from each other must not deadlock)."""
+        if self.cache is None or not self.cond.acquire(blocking=False):
+            return False
+        try:
+            entry = self.cache.pop_lru()
+            if entry is None:
+                return False
+            self._seqs.pop(entry.seq_id, None)
+            self.model.remove(entry)
+            return True
+        finally:
+            self.cond.release()
+
+    def _reuse_prefix(self, request: Request) -> Sequence | None:
+        """A fork of the cached (or idle) sequence sharing the longest prefix with the request's
+        prompt, which then keeps only the tokens after it; None when nothing matches."""
+        if self.cache is None:
+            return None
+        held = [
+            self._seqs[seq_id]
+            for seq_id, owner in self._owners.items()
+            if seq_id in self._seqs and owner.holds_idle_sequence()
+        ]
+        match = self.cache.match(request.prompt_ids, held)
+        if match is None:
+            return None
+        while True:
+            try:
+                child = self.model.fork(match.parent, match.tokens)
+                break
+            except GenerationError:  # no free slot: give up another entry or idle state
+                if not self._evict_one(keep=match.parent) and not self.model.reclaim(
+                    self._reclaimer
+                ):
+                    return None
+        request.prompt_ids = request.prompt_ids[match.tokens :]
+        request.reused_tokens += match.tokens
+        return child
+
+    def _retire(self, seq: Sequence) -> None:
+        """A sequence no one holds any more: into the prefix cache, or freed."""
+        drop = [seq] if self.cache is None or seq.seq_id not in self._seqs else self.cache.add(seq)
+        for old in drop:
+            self._seqs.pop(old.seq_id, None)
+            self.model.remove(old)
+
+    def _evict_one(self, keep: Sequence | None = None) -> bool:
+        """Free a prefix-cache entry, else the state of the least recently used idle
+        conversation (never `keep`); False if there is none."""
+        if self.cache is not None:
+            entry = self.cache.pop_lru(keep)
+            if entry is not None:
+                self._seqs.pop(entry.seq_id, None)
+                self.model.remove(entry)
+                return True
+        idle = [
+            h
+            for seq_id, h in self._owners.items()
+            if h.holds_idle_sequence() and (keep is None or seq_id != keep.seq_id)
+        ]
         if not idle:
             return False
         victim = min(idle, key=lambda h: h.last_used)
@@ -466,8 +564,7 @@ class Scheduler:
         if request in self._active:
             self._active.remove(request)
         if request.owner is None and request.seq is not None and request.finish_reason != "error":
-            self._seqs.pop(request.seq.seq_id, None)
-            self.model.remove(request.seq)
+            self._retire(request.seq)
 
     @staticmethod
     def _held_text(request: Request) -> str | None:

@@ -1,6 +1,6 @@
 """Prometheus text metrics of the server: requests by route and status, tokens in and out,
 time-to-first-token and inter-token latency histograms, and (read at scrape time from each
-loaded engine) queue depth, running sequences and KV cache use."""
+loaded engine) queue depth, running sequences, KV cache use and the prefix cache's hits."""
 
 from __future__ import annotations
 
@@ -56,8 +56,9 @@ class Metrics:
         with self._lock:
             self.requests[(method, route, status)] += 1
 
-    def reply_done(self, model: str, prompt_tokens: int, completion_tokens: int,
-                   cancelled: bool) -> None:
+    def reply_done(
+        self, model: str, prompt_tokens: int, completion_tokens: int, cancelled: bool
+    ) -> None:
         with self._lock:
             self.prompt_tokens[model] += prompt_tokens
             self.completion_tokens[model] += completion_tokens
@@ -83,23 +84,34 @@ class Metrics:
         with self._lock:
             head("localchat_requests_total", "counter", "HTTP requests by route and status.")
             for (method, route, status), n in sorted(self.requests.items()):
-                out.append(f'localchat_requests_total{{method="{method}",route="{route}",'
-                           f'status="{status}"}} {n}')
+                out.append(
+                    f'localchat_requests_total{{method="{method}",route="{route}",'
+                    f'status="{status}"}} {n}'
+                )
             head("localchat_prompt_tokens_total", "counter", "Prompt tokens prefilled.")
             for model, n in sorted(self.prompt_tokens.items()):
                 out.append(f'localchat_prompt_tokens_total{{model="{_esc(model)}"}} {n}')
             head("localchat_generation_tokens_total", "counter", "Tokens generated.")
             for model, n in sorted(self.completion_tokens.items()):
                 out.append(f'localchat_generation_tokens_total{{model="{_esc(model)}"}} {n}')
-            head("localchat_cancelled_requests_total", "counter",
-                 "Replies cancelled because their client went away.")
+            head(
+                "localchat_cancelled_requests_total",
+                "counter",
+                "Replies cancelled because their client went away.",
+            )
             for model, n in sorted(self.cancelled.items()):
                 out.append(f'localchat_cancelled_requests_total{{model="{_esc(model)}"}} {n}')
-            head("localchat_time_to_first_token_seconds", "histogram",
-                 "From request arrival to the first generated token.")
+            head(
+                "localchat_time_to_first_token_seconds",
+                "histogram",
+                "From request arrival to the first generated token.",
+            )
             out.extend(self.ttft.lines("localchat_time_to_first_token_seconds"))
-            head("localchat_inter_token_latency_seconds", "histogram",
-                 "Time between consecutive tokens of a reply.")
+            head(
+                "localchat_inter_token_latency_seconds",
+                "histogram",
+                "Time between consecutive tokens of a reply.",
+            )
             out.extend(self.itl.lines("localchat_inter_token_latency_seconds"))
         gauges = {
             "localchat_queue_depth": "Requests waiting for a sequence slot.",
@@ -107,6 +119,9 @@ class Metrics:
             "localchat_kv_cache_used_tokens": "Tokens held in the KV cache / state.",
             "localchat_kv_cache_capacity_tokens": "Tokens the KV cache can hold.",
             "localchat_kv_cache_usage_ratio": "Used over capacity.",
+            "localchat_prefix_cache_tokens": "Tokens kept by the prefix cache (freed on demand).",
+            "localchat_prefix_cache_hits_total": "Prompts that reused a cached prefix.",
+            "localchat_prefix_cache_reused_tokens_total": "Prompt tokens not prefilled again.",
         }
         rows: dict[str, list[str]] = {name: [] for name in gauges}
         for loaded in models:
@@ -114,22 +129,35 @@ class Metrics:
             label = f'{{model="{_esc(loaded.ref)}"}}'
             try:
                 waiting, running = engine.scheduler.counts()
-                used = engine.scheduler.held_tokens()
+                cached = engine.scheduler.cached_tokens()
+                used = engine.scheduler.held_tokens() - cached  # the cache yields on demand
                 capacity = int(engine.model.max_total_tokens)
+                cache = engine.scheduler.cache
+                hits, reused = (cache.stats.hits, cache.stats.reused_tokens) if cache else (0, 0)
             except Exception:  # noqa: BLE001 - an engine closing under us: skip it
                 continue
             rows["localchat_queue_depth"].append(f"localchat_queue_depth{label} {waiting}")
             rows["localchat_running_sequences"].append(
-                f"localchat_running_sequences{label} {running}")
+                f"localchat_running_sequences{label} {running}"
+            )
             rows["localchat_kv_cache_used_tokens"].append(
-                f"localchat_kv_cache_used_tokens{label} {used}")
+                f"localchat_kv_cache_used_tokens{label} {used}"
+            )
             rows["localchat_kv_cache_capacity_tokens"].append(
-                f"localchat_kv_cache_capacity_tokens{label} {capacity}")
+                f"localchat_kv_cache_capacity_tokens{label} {capacity}"
+            )
             ratio = used / capacity if capacity else 0.0
             rows["localchat_kv_cache_usage_ratio"].append(
-                f"localchat_kv_cache_usage_ratio{label} {ratio}")
+                f"localchat_kv_cache_usage_ratio{label} {ratio}"
+            )
+            for name, value in (
+                ("localchat_prefix_cache_tokens", cached),
+                ("localchat_prefix_cache_hits_total", hits),
+                ("localchat_prefix_cache_reused_tokens_total", reused),
+            ):
+                rows[name].append(f"{name}{label} {value}")
         for name, text in gauges.items():
-            head(name, "gauge", text)
+            head(name, "counter" if name.endswith("_total") else "gauge", text)
             out.extend(rows[name])
         return "\n".join(out) + "\n"
 

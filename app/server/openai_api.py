@@ -193,14 +193,17 @@ class ToolPlan:
 
 
 def usage_of(choices: Sequence[Choice], prompts: int = 1) -> p.Usage:
-    """Usage: the prompt counted once per distinct prompt, every choice's completion."""
+    """Usage: the prompt counted once per distinct prompt, every choice's completion; prompt
+    tokens the prefix cache held (not prefilled again) count too, and show as cached_tokens."""
     finished = [c.finish for c in choices if c.finish is not None]
     step = max(1, len(choices) // max(1, prompts))
-    prompt = sum(c.finish.reply.stats.prompt_tokens for c in choices[::step]
-                 if c.finish is not None)
+    firsts = [c.finish.reply.stats for c in choices[::step] if c.finish is not None]
+    cached = sum(s.reused_tokens for s in firsts)
+    prompt = sum(s.prompt_tokens for s in firsts) + cached
     completion = sum(f.reply.stats.completion_tokens for f in finished)
     return p.Usage(prompt_tokens=prompt, completion_tokens=completion,
-                   total_tokens=prompt + completion)
+                   total_tokens=prompt + completion,
+                   prompt_tokens_details={"cached_tokens": cached})
 
 
 def token_str(tokenizer: Any, token_id: int) -> str:
