@@ -147,7 +147,10 @@ def serve_llama_cpp(gguf: Path, threads: int) -> tuple[subprocess.Popen, str, st
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(gguf),
                              "--n_threads", str(threads), "--chat_format", "chatml",
-                             "--port", str(port), "--n_ctx", "4096"],
+                             "--port", str(port), "--n_ctx", "4096",
+                             # By default a new request interrupts the one streaming: with
+                             # concurrent clients the interrupted streams never finish.
+                             "--interrupt_requests", "False"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return proc, f"http://127.0.0.1:{port}", gguf.name
 
@@ -155,7 +158,8 @@ def serve_llama_cpp(gguf: Path, threads: int) -> tuple[subprocess.Popen, str, st
 def measure(proc: subprocess.Popen, url: str, model: str, streams: list[int],
             repeat: int) -> list[dict]:
     try:
-        wait_ready(url, proc) if "llama" not in model.lower() else _wait_models(url, proc)
+        # llama_cpp.server has no /health: it is ready once it lists its model.
+        _wait_models(url, proc) if model.endswith(".gguf") else wait_ready(url, proc)
         return [asyncio.run(load(url, model, n, repeat)) for n in streams]
     finally:
         proc.terminate()
