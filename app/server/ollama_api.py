@@ -20,6 +20,7 @@ from localchat import __version__
 from localchat.engine.stream import FinishEvent, TokenEvent
 from localchat.errors import InvalidRequestError, LocalchatError, ModelNotFoundError
 from localchat.server import protocol as p
+from localchat.server.openai_api import ToolPlan, uses_tools
 from localchat.server.pool import LoadedModel
 from localchat.server.state import ServerState, read_body, state_of
 from localchat.server.streaming import (
@@ -30,6 +31,7 @@ from localchat.server.streaming import (
     merged,
     prepend,
 )
+from localchat.server.tools import call_format, check_tools, parse_calls, streamable
 
 router = APIRouter(prefix="/api")
 log = logging.getLogger("localchat.server")
@@ -130,9 +132,18 @@ def durations(tracker: Tracker, finish: FinishEvent | None, started: float,
     }
 
 
+def _with_calls(chunk: dict[str, Any], calls: list[Any]) -> dict[str, Any]:
+    """A chat body whose message carries Ollama's `tool_calls` (arguments as an object)."""
+    message = {**chunk["message"], "tool_calls": [
+        {"function": {"name": c.name, "arguments": json.loads(c.arguments)}} for c in calls]}
+    return {**chunk, "message": message}
+
+
 async def _generate(request: Request, state: ServerState, body: p.OllamaBase,
-                    start: Any, shape: Any) -> Response:
-    """Run one reply for /api/chat or /api/generate; `shape(text)` builds a response body."""
+                    start: Any, shape: Any, plan: Any = None) -> Response:
+    """Run one reply for /api/chat or /api/generate; `shape(text)` builds a response body.
+    `plan()` is the request's ToolPlan once `start` has run (None: no tools): then text that
+    could open a call is held back, and calls come as the message's `tool_calls`."""
     started = time.perf_counter()
     keep_alive = keep_alive_seconds(body.keep_alive)
     overrides = {**options(body.options), **format_override(body.format)}
@@ -152,23 +163,44 @@ async def _generate(request: Request, state: ServerState, body: p.OllamaBase,
                                       "format") from None
         tracker = Tracker(state.metrics, loaded.ref, started)
         events = merged(streams, tracker)
+        calls = plan() if plan is not None else None
         if body.stream is False:
             async with cancel_on_disconnect(request, streams):
                 (choice,) = await collect(events, 1)
-            return JSONResponse({**shape(choice.text), "done": True,
-                                 **durations(tracker, choice.finish, started, load_s)})
+            done = {"done": True, **durations(tracker, choice.finish, started, load_s)}
+            if calls is not None:
+                content, found = parse_calls(choice.text, calls.style, calls.tools)
+                if found:
+                    return JSONResponse({**_with_calls(shape(content), found), **done})
+            return JSONResponse({**shape(choice.text), **done})
         async with cancel_on_disconnect(request, streams):
             first = await anext(events)
 
         async def lines(events: AsyncIterator[tuple[int, TokenEvent | FinishEvent]]
                         ) -> AsyncIterator[str]:
+            text, sent = "", 0  # with tools: the reply so far, and how much of it was sent
             try:
                 async for _, event in events:
-                    if isinstance(event, TokenEvent):
+                    if calls is not None:
+                        text += event.text
+                        found: list[Any] = []
+                        if isinstance(event, FinishEvent):
+                            _, found = parse_calls(text, calls.style, calls.tools)
+                        safe = (len(text) if isinstance(event, FinishEvent) and not found
+                                else streamable(text, calls.style))
+                        if safe > sent:
+                            yield json.dumps({**shape(text[sent:safe]), "done": False}) + "\n"
+                            sent = safe
+                        if found:
+                            yield json.dumps({**_with_calls(shape(""), found),
+                                              "done": False}) + "\n"
+                        if isinstance(event, TokenEvent):
+                            continue
+                    elif isinstance(event, TokenEvent):
                         if event.text:
                             yield json.dumps({**shape(event.text), "done": False}) + "\n"
                         continue
-                    if event.text:
+                    elif event.text:
                         yield json.dumps({**shape(event.text), "done": False}) + "\n"
                     yield json.dumps({**shape(""), "done": True,
                                       **durations(tracker, event, started, load_s)}) + "\n"
@@ -190,22 +222,56 @@ async def _generate(request: Request, state: ServerState, body: p.OllamaBase,
 async def chat(request: Request) -> Response:
     state = state_of(request)
     body = p.OllamaChatRequest.model_validate_json(await read_body(request))
-    if body.tools:
-        raise InvalidRequestError("tools are not supported by this server", "tools")
-    messages = []
-    for i, m in enumerate(body.messages or []):
-        if m.images:
-            raise InvalidRequestError(f"messages[{i}]: images are not supported", "images")
-        if m.role == "tool":
-            raise InvalidRequestError(f"messages[{i}]: tool messages are not supported", "role")
-        messages.append({"role": m.role, "content": m.content or ""})
-    start = (lambda engine, o: engine.chat(messages, **o)) if messages else None
+    tools = check_tools(body.tools)
+    messages = [_chat_message(i, m) for i, m in enumerate(body.messages or [])]
+    defs = [t.definition for t in tools] or None
+    plans: list[ToolPlan] = []
+
+    def start(engine: Any, o: dict[str, Any]) -> Any:
+        template = engine.template
+        if (tools or uses_tools(messages)) and not template.supports_tools:
+            raise InvalidRequestError(
+                f"{body.model} does not support tools: its chat template ({template.name}) "
+                f"does not render them", "tools" if tools else "messages")
+        if tools:  # Ollama has no tool_choice: the model may answer or call ("auto")
+            if "response_format" in o:
+                raise InvalidRequestError("format cannot be combined with tools", "format")
+            plans.append(ToolPlan(template.tool_call_style, tools))
+            o = {**o, "response_format": call_format(template.tool_call_style, "auto", tools)}
+        return engine.chat(messages, tools=defs, **o)
 
     def shape(text: str) -> dict[str, Any]:
         return {"model": body.model, "created_at": now_iso(),
                 "message": {"role": "assistant", "content": text}}
 
-    return await _generate(request, state, body, start, shape)
+    return await _generate(request, state, body, start if messages else None, shape,
+                           lambda: plans[0] if plans else None)
+
+
+def _chat_message(i: int, m: p.OllamaMessage) -> dict[str, Any]:
+    """One /api/chat message for the template: an assistant's `tool_calls` in the OpenAI shape
+    (arguments as an object), a tool result with its function's name."""
+    if m.images:
+        raise InvalidRequestError(f"messages[{i}]: images are not supported", "images")
+    message: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+    if m.tool_calls:
+        if m.role != "assistant":
+            raise InvalidRequestError(f"messages[{i}]: only assistant messages have tool_calls",
+                                      f"messages[{i}].tool_calls")
+        calls = []
+        for k, call in enumerate(m.tool_calls):
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise InvalidRequestError(
+                    f"messages[{i}].tool_calls[{k}] must be {{\"function\": {{\"name\": ..., "
+                    f"\"arguments\": {{...}}}}}}", f"messages[{i}].tool_calls")
+            args = fn.get("arguments") or {}
+            calls.append({"type": "function",
+                          "function": {"name": fn["name"], "arguments": args}})
+        message["tool_calls"] = calls
+    if m.role == "tool" and m.tool_name:
+        message["name"] = m.tool_name
+    return message
 
 
 @router.post("/generate")

@@ -235,6 +235,8 @@ class OllamaMessage(_Request):
     role: Literal["system", "user", "assistant", "tool"]
     content: str | None = None
     images: list[Any] | None = None
+    tool_calls: list[Any] | None = None  # an assistant's calls: [{"function": {name, arguments}}]
+    tool_name: str | None = None  # a tool result's function
 
 
 class OllamaBase(_Request):

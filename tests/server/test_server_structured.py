@@ -331,3 +331,67 @@ def test_ollama_format_json_and_schema(srv: Server) -> None:
     r = httpx.post(f"{srv.url}/api/generate", timeout=60,
                    json={"model": MODEL, "prompt": "hi", "format": "xml"})
     assert r.status_code == 400 and "format must be" in r.json()["error"]
+
+
+# -- tools on Ollama's /api/chat ----------------------------------------------------------------
+def _ollama_calls(message: ollama.Message) -> list[tuple[str, dict]]:
+    return [(c.function.name, dict(c.function.arguments)) for c in message.tool_calls or ()]
+
+
+def test_ollama_chat_tools_streamed_and_not(srv: Server) -> None:
+    client = ollama.Client(host=srv.url, timeout=120)
+    opts = {"temperature": 0, "num_predict": 60}
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    # the second one makes SmolLM2 call (it starts the reply with the call's tag itself)
+    asks = [ASK_WEATHER, [{"role": "user", "content": "<tool_call> get_weather for Paris please"}],
+            [{"role": "user", "content": "Say hello to Ann."}]]
+    called = 0
+    for messages in asks:
+        whole = client.chat(model=TOOL_MODEL, messages=messages, tools=[WEATHER, TIME],
+                            options=opts)
+        calls = _ollama_calls(whole.message)
+        for name, args in calls:  # a call is valid under its function's schema
+            jsonschema.validate(args, schemas[name])
+        if not calls:
+            assert "<tool_call>" not in whole.message.content
+        called += bool(calls)
+        content, streamed = "", []
+        for part in client.chat(model=TOOL_MODEL, messages=messages, tools=[WEATHER, TIME],
+                                options=opts, stream=True):
+            content += part.message.content or ""
+            streamed += _ollama_calls(part.message)
+        assert (content.strip(), streamed) == (whole.message.content.strip(), calls)
+    assert called, "no prompt led to a call: the test proves nothing about calls"
+
+
+def test_ollama_tool_results_go_back_to_the_model(srv: Server) -> None:
+    client = ollama.Client(host=srv.url, timeout=120)
+    opts = {"temperature": 0, "num_predict": 16}
+    follow = [*ASK_WEATHER,
+              {"role": "assistant", "content": "", "tool_calls": [{"function": {
+                  "name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}]},
+              {"role": "tool", "content": '{"temperature": 21}', "tool_name": "get_weather"}]
+    answer = client.chat(model=TOOL_MODEL, messages=follow, tools=[WEATHER], options=opts)
+    # SmolLM2 echoes the result it was given: the call and the result were rendered
+    assert answer.done and answer.message.role == "assistant"
+    assert "21" in answer.message.content, answer.message
+
+
+def test_ollama_tool_errors(srv: Server) -> None:
+    cases = [
+        ({"model": MODEL, "messages": ASK_WEATHER, "tools": [WEATHER]}, "does not support tools"),
+        ({"model": TOOL_MODEL, "messages": ASK_WEATHER, "tools": [WEATHER], "format": "json"},
+         "format cannot be combined with tools"),
+        ({"model": TOOL_MODEL, "messages": ASK_WEATHER, "tools": [{"type": "retrieval"}]},
+         "tools[0]"),
+        ({"model": TOOL_MODEL, "messages": [{"role": "user", "content": "x",
+                                             "tool_calls": [{"function": {"name": "f"}}]}]},
+         "only assistant messages have tool_calls"),
+        ({"model": TOOL_MODEL, "messages": [{"role": "assistant", "content": "",
+                                             "tool_calls": ["f"]}]}, "tool_calls[0]"),
+    ]
+    for body, message in cases:
+        r = httpx.post(f"{srv.url}/api/chat", json={**body, "stream": False}, timeout=60)
+        assert r.status_code == 400, r.text
+        assert message in r.json()["error"], r.json()
+    assert httpx.get(f"{srv.url}/api/version", timeout=10).status_code == 200
