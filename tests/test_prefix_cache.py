@@ -292,3 +292,29 @@ def test_rwkv_resent_history_reuses_the_state_at_the_turn_boundary(world_model: 
     assert replies[False][1].stats.reused_tokens == 0
     for a, b in zip(replies[True], replies[False], strict=True):
         assert a.token_ids == b.token_ids
+
+
+def test_rwkv_regenerate_and_a_reworded_reply_rerun_one_token(world_model: Model) -> None:
+    """The state kept at the prompt's last token but one serves a regenerated reply (the same
+    prompt) and a history whose last reply was edited."""
+    system = [{"role": "system", "content": "You answer with words. " * 24}]
+    messages = [*system, {"role": "user", "content": "Hello"}]
+    out: dict[bool, list] = {}
+    for cached in (True, False):
+        with Engine(world_model, config=GREEDY, prefix_cache=cached) as eng:
+            bias = {eng.tokenizer.encode(" " + w)[0]: 60.0 for w in WORDS}
+            first = eng.chat(messages, max_tokens=6, logit_bias=bias).result()
+            again = eng.chat(messages, max_tokens=6, logit_bias=bias).result()
+            edited = [
+                *messages,
+                {"role": "assistant", "content": "Something else entirely."},
+                {"role": "user", "content": "More"},
+            ]
+            after_edit = eng.chat(edited, max_tokens=6, logit_bias=bias).result()
+            out[cached] = [first, again, after_edit]
+            prompt = eng.count_tokens(messages)
+    first, again, after_edit = out[True]
+    assert again.stats.prompt_tokens == 1 and again.stats.reused_tokens == prompt - 1
+    assert after_edit.stats.reused_tokens == prompt - 1
+    for a, b in zip(out[True], out[False], strict=True):
+        assert a.token_ids == b.token_ids

@@ -32,7 +32,7 @@ import numpy as np
 
 from localchat.engine.detokenizer import TextStream
 from localchat.engine.generation_config import GenerationConfig
-from localchat.engine.prefix_cache import PrefixCache, enabled_from_env
+from localchat.engine.prefix_cache import MIN_MATCH_TOKENS, PrefixCache, enabled_from_env
 from localchat.engine.prompt import fed_reply_text
 from localchat.engine.runtime import Model, Sequence
 from localchat.engine.sampler import Sampler, sample_batch
@@ -89,6 +89,7 @@ class Request:
     seq: Sequence | None = None
     reset: bool = False
     rollback: int = 0  # tokens to drop from the end of seq before prefilling
+    snapshot_at: int = 0  # prompt tokens after which an RNN state is kept in the cache (0: no)
     owner: SequenceOwner | None = None
     prompt_text: str = ""  # the text of every token in seq once the prompt is in
     held_text_before: str | None = ""  # the text seq held when the request was made
@@ -418,6 +419,16 @@ class Scheduler:
         request.text_stream = TextStream(request.tokenizer, request.stop_strings)  # type: ignore[arg-type]
         request.prefill_started_at = time.perf_counter()
         request.admitted = True
+        if (
+            self.cache is not None
+            and not self.model.supports_rollback
+            and len(request.prompt_ids) >= 2
+            and len(request.seq) + len(request.prompt_ids) > MIN_MATCH_TOKENS
+        ):
+            # An RNN state forks only at its end: keep one at the prompt's last token but one,
+            # so a regenerated reply (same prompt) or a history resent with a reply worded
+            # otherwise re-runs one token instead of the whole prompt.
+            request.snapshot_at = len(request.prompt_ids) - 1
         self._active.append(request)
 
     # -- steps -------------------------------------------------------------------------------
@@ -428,7 +439,10 @@ class Scheduler:
         for request in requests:
             if budget <= 0:
                 break
-            part = request.prompt_ids[request.fed : request.fed + budget]
+            end = request.fed + budget
+            if request.fed < request.snapshot_at:
+                end = min(end, request.snapshot_at)  # stop there to fork the snapshot
+            part = request.prompt_ids[request.fed : end]
             batch.append((request, part))
             budget -= len(part)
         seqs = [r.seq for r, _ in batch]
@@ -441,6 +455,8 @@ class Scheduler:
         with self.cond:
             for (request, part), row in zip(batch, logits, strict=True):
                 request.fed += len(part)
+                if request.snapshot_at and request.fed == request.snapshot_at:
+                    self._snapshot(request)
                 if request.prefilling or request.finish_reason is not None:
                     continue
                 assert request.seq is not None and request.sampler is not None
@@ -450,6 +466,19 @@ class Scheduler:
                 request.sampling_s += time.perf_counter() - t0
                 request.first_token_at = now
                 self._accept(request, token, _logprobs(request, row, token))
+
+    def _snapshot(self, request: Request) -> None:
+        """Keep a copy of an RNN request's state in the prefix cache (if a slot is free: a
+        snapshot never evicts anything)."""
+        request.snapshot_at = 0
+        if self.cache is None or request.seq is None or request.finish_reason is not None:
+            return
+        try:
+            snap = self.model.fork(request.seq)
+        except GenerationError:
+            return
+        self._seqs[snap.seq_id] = snap
+        self._retire(snap)
 
     def _decode_step(self, requests: list[Request]) -> None:
         """Advance every decoding request by one token in one batched call."""
