@@ -6,8 +6,9 @@ The scheduler owns the cache and calls it under its lock. An entry is a `Sequenc
 any more; matching is by the longest common token prefix. A paged KV cache forks a sequence at
 any position (whole pages are shared, so removing the parent later leaves the child intact); an
 RNN state only forks at a sequence's end, so there an entry matches only when all its tokens
-start the prompt — each finished reply's state is a snapshot at a turn boundary. Entries leave
-by least recent use, when their tokens exceed the budget or when the scheduler needs room.
+start the prompt: the state each reply leaves, and one the scheduler forks at its prompt's last
+token but one, are snapshots at turn boundaries. Entries leave by least recent use, when their
+tokens exceed the budget or when the scheduler needs room.
 """
 
 from __future__ import annotations
