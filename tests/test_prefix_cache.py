@@ -236,10 +236,16 @@ def test_cache_yields_slots_and_room_to_running_requests(model: Model) -> None:
         streams = [eng.chat([{"role": "user", "content": f"Say {w}."}]) for w in ("a", "b")]
         replies = [s.result() for s in streams]
         assert all(r.finish_reason in ("stop", "length") for r in replies)
-        # A prompt that needs nearly all the room gets it: the entries are freed.
+        assert len(eng.scheduler.cache) == 0  # (too short to keep) and the entries gave way
+        # A prompt that needs most of the room gets it: the entry that fills it is freed.
+        eng.chat(sys_and("Three?")).result()
+        kept = eng.scheduler.cached_tokens()
         long = [{"role": "user", "content": "word " * 700}]
+        assert kept + eng.count_tokens(long) > small.max_total_tokens
+        evictions = eng.scheduler.cache.stats.evictions
         reply = eng.chat(long, max_tokens=2).result()
-        assert reply.finish_reason in ("stop", "length")
+        assert reply.finish_reason in ("stop", "length") and reply.stats.reused_tokens == 0
+        assert eng.scheduler.cache.stats.evictions == evictions + 1
         assert eng.scheduler.held_tokens() <= small.max_total_tokens
 
 
