@@ -29,6 +29,19 @@ from localchat.tui.widgets.messages import MessageView
 from localchat.tui.widgets.prompt import PromptInput
 
 RENDER_INTERVAL_S = 0.08  # shortest time between two Markdown renders of a streaming reply
+MAX_RENDER_INTERVAL_S = 0.4  # longest: the text never lags further behind the model
+STATS_INTERVAL_S = 0.5  # between two updates of the live stats line
+# The share of one core the UI thread may spend on a streaming reply (Markdown, layout,
+# compositing). On a 2-core machine every millisecond drawn is taken from the decode threads,
+# and a render that holds the GIL delays the engine's next step; the interval between renders
+# grows with what the last ones cost, so a long reply does not slow the model as it grows.
+UI_CPU_BUDGET = 0.04
+
+
+def next_render_interval(cpu_spent_s: float) -> float:
+    """The wait before the next Markdown render, given the UI thread's CPU time since the last
+    one: that cost at `UI_CPU_BUDGET`, within the interval bounds."""
+    return min(MAX_RENDER_INTERVAL_S, max(RENDER_INTERVAL_S, cpu_spent_s / UI_CPU_BUDGET))
 
 
 @dataclass
@@ -294,6 +307,7 @@ class ChatScreen(Screen[None]):
         first_token: float | None = None
         tokens, pieces, last_draw = 0, [], 0.0
         unwritten, last_write = [], 0.0
+        interval, cpu_mark = RENDER_INTERVAL_S, time.thread_time()  # the UI thread's CPU clock
         reply = None
         error: str | None = None
         writer = Markdown.get_stream(view.body)
@@ -311,14 +325,18 @@ class ChatScreen(Screen[None]):
                 if event.text:
                     pieces.append(event.text)
                     unwritten.append(event.text)
-                # Markdown is re-rendered at most ~12 times a second, not per token: on a
-                # 2-core machine every render takes CPU from the decode threads.
-                if unwritten and (now - last_write >= RENDER_INTERVAL_S
+                # Markdown is re-rendered at most ~12 times a second, not per token, and less
+                # often when renders get costly (UI_CPU_BUDGET).
+                if unwritten and (now - last_write >= interval
                                   or isinstance(event, FinishEvent)):
+                    if last_write:
+                        cpu_now = time.thread_time()
+                        interval = next_render_interval(cpu_now - cpu_mark)
+                        cpu_mark = cpu_now
                     last_write = now
                     await writer.write("".join(unwritten))
                     unwritten.clear()
-                if first_token is not None and now - last_draw > 0.25:
+                if first_token is not None and now - last_draw > STATS_INTERVAL_S:
                     last_draw = now
                     if tokens > 1 and now > first_token:
                         self.stats.decode_tok_s = (tokens - 1) / (now - first_token)
