@@ -92,6 +92,24 @@ async def test_escape_stops_the_reply_and_keeps_the_partial_text_marked(
     assert stored[-1].status == "cancelled" and stored[-1].content == answer.content
 
 
+async def test_quitting_mid_reply_keeps_the_partial_text_marked(
+        store_home: Path, backend: LocalBackend) -> None:
+    app = LocalchatApp(model="smollm2", backend=backend)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await chat_ready(pilot, app)
+        screen.query_one(PromptInput).focus()
+        await pilot.press(*"Write a very long story about a dragon.")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: screen.stats.completion_tokens >= 3, what="the first tokens")
+        stream = screen.stream
+        await pilot.press("ctrl+q")
+    stored = ChatDB().messages(screen.conversation_id)
+    assert [m.role for m in stored] == ["user", "assistant"]
+    assert stored[-1].status == "cancelled" and stored[-1].content.strip()
+    assert stream is not None and stream.cancelled  # the model stopped too
+    assert stream.wait(timeout=10)
+
+
 async def test_an_invalid_temperature_is_shown_inline_and_never_applied(
         store_home: Path, backend: LocalBackend) -> None:
     app = LocalchatApp(model="smollm2", backend=backend)

@@ -346,6 +346,14 @@ class ChatScreen(Screen[None]):
             error = str(exc)
         except Exception as exc:  # noqa: BLE001 - a failed reply is shown, the app stays up
             error = f"{type(exc).__name__}: {exc}"
+        except asyncio.CancelledError:
+            # The app is closing (Ctrl+Q) mid-reply: stop the model and keep what streamed,
+            # marked stopped, as Esc would. Written here, synchronously: the loop is ending.
+            if self.stream is not None:
+                self.stream.cancel()
+            if pieces:
+                self.db.add_message(cid, "assistant", "".join(pieces), status="cancelled")
+            raise
         finally:
             self.stream = None
             await writer.stop()
