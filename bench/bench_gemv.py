@@ -8,7 +8,9 @@ MLP 1536, and a 1B-class model's 2048 and 8192. Any k works (e.g. 1000x344: 4-bi
 stored padded to whole groups of 32). Candidates, one column each:
 
 * 4-bit modes: `gemv` (generic register unpacking), `gemv avx512` (table-lookup unpacking; only
-  where the CPU has AVX-512F) and `linear_q4`, the Llama family's kernel as a model calls it (one
+  where the CPU has AVX-512F), `gemv vnni` (int8 activations, VNNI dot products; only where the
+  CPU has AVX-512 VNNI; checked against float x with a tolerance for int8 rounding) and
+  `linear_q4`, the Llama family's kernel as a model calls it (one
   row: it branches to the GEMV for the target; more rows: the blocked prefill kernel);
 * float modes (q0*): `gemv_f` (RWKV's decode) and `linear_f` (what the Llama family runs);
 * each --extra NAME=FILE.py:FUNC: FUNC(k, n, dtype) from that file, returning a PrimFunc with the
@@ -66,7 +68,7 @@ def main() -> None:
     import tvm
 
     from localchat.engine.kernels import gemv, matmul
-    from localchat.engine.kernels.common import has_avx512
+    from localchat.engine.kernels.common import has_avx512, has_avx512_vnni
     from localchat.engine.quantization import dequantize_q4, get_quant_mode, quantize_q4
 
     mode = get_quant_mode(args.quant)
@@ -80,11 +82,14 @@ def main() -> None:
         }
     )
     avx512 = has_avx512(target)
+    vnni = has_avx512_vnni(target)
     candidates: dict[str, Callable] = {}
     if mode.quantized:
         candidates["gemv"] = lambda k, n, dt: gemv.gemv_q4(k, n, dt, avx512=False)
         if avx512:
             candidates["gemv avx512"] = lambda k, n, dt: gemv.gemv_q4(k, n, dt, avx512=True)
+        if vnni:
+            candidates["gemv vnni"] = lambda k, n, dt: gemv.gemv_q4(k, n, dt, avx512="vnni")
         candidates["linear_q4"] = lambda k, n, dt: matmul.linear_q4(k, n, dt, False)
     else:
         candidates["gemv_f"] = gemv.gemv_f
@@ -130,7 +135,10 @@ def main() -> None:
                 continue
             f(x, *sets[0], y)
             err = np.abs(y.numpy() - ref).max() / np.abs(ref).max()
-            if err > (1e-4 if dtype == "float32" else 1e-2):  # against the dequantized weights
+            # against the dequantized weights; int8 activations (vnni) round x to ~1/254 of
+            # each group's largest value
+            tol = 2e-2 if "vnni" in name else 1e-4 if dtype == "float32" else 1e-2
+            if err > tol:
                 raise SystemExit(f"{name} {k}x{n}: relative error {err:.3g}")
             calls[name] = functools.partial(_call, f, x, sets, y)
         times = _time_interleaved(calls, budget * len(calls))

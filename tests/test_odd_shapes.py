@@ -108,15 +108,29 @@ def model(arch: str, quant: str) -> Model:
     return Model(converted(source(arch), quant), "cpu")
 
 
+def _tolerance(quant: str) -> float:
+    """Float activations match the oracle (same quantized weights) to float rounding; on a CPU
+    with AVX-512 VNNI the 4-bit kernels quantize activations to int8 per group of 32, as
+    llama.cpp does, which moves logits by ~4e-3 of their largest (the kernel itself is checked
+    exactly against that int8 rounding in test_gemv_vnni)."""
+    from localchat.engine.device import cpu_target
+    from localchat.engine.kernels.common import has_avx512_vnni
+
+    if quant != "q0f32" and has_avx512_vnni(cpu_target()):
+        return 2e-2
+    return 1e-4
+
+
 @pytest.mark.parametrize("quant", QUANTS)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_matches_transformers(arch: str, quant: str) -> None:
     ref_tokens, ref_logits = reference(arch, quant)
     ours = model(arch, quant)
+    tol = _tolerance(quant)
     # prefill (the blocked kernels) and one-row decode (the GEMV), teacher-forced
     got = run_teacher_forced(ours, PROMPT, ref_tokens)
     worst = max(rel_err(o, r) for o, r in zip(got, ref_logits))
-    assert worst <= 1e-4, f"max relative error {worst:.2e}"
+    assert worst <= tol, f"max relative error {worst:.2e}"
     # two sequences decoded together (several rows per call)
     seqs = [ours.new_sequence(), ours.new_sequence()]
     try:
@@ -126,7 +140,7 @@ def test_matches_transformers(arch: str, quant: str) -> None:
     finally:
         for seq in seqs:
             ours.remove(seq)
-    assert max(rel_err(row, ref_logits[1]) for row in both) <= 1e-4
+    assert max(rel_err(row, ref_logits[1]) for row in both) <= tol
     # free-running greedy generation gives the very same tokens
     seq = ours.new_sequence()
     try:

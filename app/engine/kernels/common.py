@@ -26,7 +26,9 @@ __all__ = [
     "SCHEDULED_ATTRS",
     "WORDS_PER_GROUP",
     "divisor",
+    "gemv_isa",
     "has_avx512",
+    "has_avx512_vnni",
     "padded_k",
     "scheduled",
     "transpose_x",
@@ -70,6 +72,28 @@ def has_avx512(target: Target) -> bool:
         return bool(codegen.llvm_cpu_has_features(["avx512f"], target))
     except Exception:  # an LLVM without x86, or a CPU it does not know
         return False
+
+
+def has_avx512_vnni(target: Target) -> bool:
+    """Whether `target` is an llvm CPU target with AVX-512F and AVX-512 VNNI (the int8 GEMV)."""
+    if not has_avx512(target):
+        return False
+    from tvm.target import codegen
+
+    try:
+        return bool(codegen.llvm_cpu_has_features(["avx512vnni", "avx512vl"], target))
+    except Exception:  # an LLVM without x86, or a CPU it does not know
+        return False
+
+
+def gemv_isa(target: Target) -> bool | str:
+    """Which 4-bit decode GEMV suits `target`, as the `avx512` argument of `gemv.gemv_q4` and of
+    the models' Linear layers: "vnni" (int8 activations, VNNI dot products), True (AVX-512F:
+    float activations, table-lookup unpacking) or False (the generic kernel). Truthy exactly when
+    the target has AVX-512F."""
+    if has_avx512_vnni(target):
+        return "vnni"
+    return has_avx512(target)
 
 
 def transpose_x(k: int, with_sums: bool):

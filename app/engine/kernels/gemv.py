@@ -20,9 +20,22 @@ along k; or float weights of the activation dtype):
 * parallel over work items; rows of x (the batch) loop inside, so a work item's weights are read
   from memory once per call.
 
-This is the one decode GEMV: RWKV's decode calls `gemv_q4` / `gemv_f` directly, and the Llama
-family's `matmul.linear_q4` runs `gemv_q4_macro` when a call has one row of x. Float weights: the
-same shape without the unpacking (16-lane loads of W and x, fp32 accumulation).
+With AVX-512 VNNI (`avx512="vnni"`, `gemv_q4_vnni_macro`; llama.cpp's route) x is quantized
+instead, once per call, per row and group of 32 to int8 (scale max|x| / 127), laid out so that
+`vpdpbusd` multiplies the weight bytes taken straight from the words: 16 groups (64 words) are
+transposed by shuffles so that lane e of 4 vectors holds the 4 words of group e;
+`words & 0x0F0F0F0F` and `(words >> 4) & 0x0F0F0F0F` are then 4 unsigned nibbles per byte lane,
+8 vpdpbusd give each lane its group's integer dot product (the -8 offset is the accumulator's start
+value, -8 times the group's int8 sum), and one conversion, multiply and FMA per 16 groups apply
+the two scales. The rows of x run inside the word loop, in blocks of 8 that share every unpacked
+vector, so batched decode reads and unpacks each weight once per call; each row's float
+operations are the same whatever the batch, so a row's bits never depend on the others. It reads
+~2.5x fewer instructions per weight than the table lookup, so one row streams weights at the
+memory's speed; 16 rows cost ~5x one row.
+
+This is the one decode GEMV: the models' Linear layers run `gemv_q4` / `gemv_f` for every decode
+step and logits (`models.layers`), with the variant `common.gemv_isa` picks for the target. Float
+weights: the same shape without the unpacking (16-lane loads of W and x, fp32 accumulation).
 """
 
 from __future__ import annotations
@@ -84,10 +97,12 @@ def _sum_lanes(acc, vecs: int, first: int = 0):
     return total
 
 
-def gemv_q4_macro(k: int, n: int, dtype: str, bias: bool, avx512: bool = False):
+def gemv_q4_macro(k: int, n: int, dtype: str, bias: bool, avx512: bool | str = False):
     """The 4-bit GEMV as a macro `(x, w, s, b, y, m)` over buffers x [m, k], w [n, kp/8] uint32,
     s [n, kp/32] (kp = `padded_k(k)`), b [n] (None without `bias`) and y [m, n], for use inside
     other kernels."""
+    if avx512 == "vnni":
+        return gemv_q4_vnni_macro(k, n, dtype, bias)
     kw = padded_k(k) // NIBBLES_PER_WORD
     nv = kw // LANES  # full vectors of 16 words per row
     tw = kw % LANES  # words of the last, narrower vector (a multiple of 4)
@@ -201,12 +216,255 @@ def gemv_q4_macro(k: int, n: int, dtype: str, bias: bool, avx512: bool = False):
     return table if avx512 else generic
 
 
+VNNI_ROWS = 8  # rows of x sharing each unpacked weight vector in the VNNI GEMV
+XQ_WORDS_PER_GROUP = GROUP_SIZE // 4  # int8 x of one group: 32 bytes = 8 int32 words
+NIBBLE_MASK = 0x0F0F0F0F  # the low nibble of each byte of a word
+
+
+def _add(a, b):
+    return a + b
+
+
+def _tree(vec, lanes: int, op):
+    """op-reduction of the `lanes` lanes of `vec` as a tree of halves (lane i with i + lanes/2):
+    a fixed order, as few shuffles as there are levels."""
+    while lanes > 1:
+        half = lanes // 2
+        vec = op(
+            tirx.Shuffle([vec], list(range(half))), tirx.Shuffle([vec], list(range(half, lanes)))
+        )
+        lanes = half
+    return vec
+
+
+def _dpbusd(acc, a_u8, b_s8, groups: int):
+    """vpdpbusd: acc[lane] += sum of the 4 products u8(a) * s8(b) of the lane's bytes (LLVM 22
+    types the byte operands as <4G x i8>)."""
+    bits = groups * 32
+    name = f"llvm.x86.avx512.vpdpbusd.{bits}"
+    return T.call_llvm_pure_intrin(
+        f"int32x{groups}",
+        name,
+        acc,
+        T.reinterpret(f"int8x{4 * groups}", a_u8),
+        T.reinterpret(f"int8x{4 * groups}", b_s8),
+    )
+
+
+def _unpack_unit(vectors, groups: int):
+    """The 8 byte vectors of a unit of `groups` groups (4 * groups words, given as 16-word
+    vectors) concatenated: for j = 0..3, h = 0..1, slice 2j + h holds in lane e the nibbles h, h+2,
+    h+4, h+6 (one per byte) of word 4e + j, i.e. lane e = group e."""
+    mask = T.Broadcast(T.uint32(NIBBLE_MASK), groups)
+    four = T.Broadcast(T.uint32(4), groups)
+    parts = []
+    for j in range(4):
+        t = tirx.Shuffle(vectors, [4 * e + j for e in range(groups)])
+        parts.append(T.bitwise_and(t, mask))
+        parts.append(T.bitwise_and(T.shift_right(t, four), mask))
+    return tirx.Shuffle(parts, list(range(8 * groups)))
+
+
+def gemv_q4_vnni_macro(k: int, n: int, dtype: str, bias: bool, rows: int = VNNI_ROWS):
+    """The 4-bit GEMV with int8 activations and AVX-512 VNNI, as a macro `(x, w, s, b, y, m)`
+    over the buffers of `gemv_q4_macro`.
+
+    x is quantized once per call, per row and group of 32 values, to int8 (scale max|x| / 127,
+    round to nearest even) in a layout matched to the weight words: a unit of G groups (16, or 4
+    at the end of a row) is 4 G words; transposed (a 4 x G shuffle), lane e of vector j holds word
+    4 e + j, all of group e; `words & 0x0F0F0F0F` and `(words >> 4) & 0x0F0F0F0F` are 4 unsigned
+    bytes per lane, and the matching bytes of x sit at the same place in xq, so 8 vpdpbusd give
+    lane e the integer dot product of group e. The -8 offset is the accumulator's start value,
+    -8 * (sum of the group's int8 x). Each unit adds float(dot) * (w scale * x scale) to a float
+    accumulator per row of x; rows of x run inside the unit loop in blocks of `rows`, so each
+    unpacked weight vector serves the whole block, and a row's float operations are the same
+    whatever the block, so its bits do not depend on the batch."""
+    kp = padded_k(k)
+    kw, kg = kp // NIBBLES_PER_WORD, kp // GROUP_SIZE
+    nb = kg // LANES  # full units of 16 groups
+    rem = kg % LANES
+    n4 = rem // 4  # whole units of 4 groups after them
+    part = rem % 4  # groups of a last, partial unit of 4 (read through a zero-padded copy)
+    has_part = part > 0
+    both = nb > 0 and rem > 0
+    only16 = nb > 0 and rem == 0
+    kg4 = nb * LANES + -(-rem // 4) * 4  # groups of xq: whole units
+    g4 = nb * LANES  # first group of the 4-group units
+    gp = g4 + n4 * 4  # first group of the partial unit
+    i32 = "int32"
+
+    kfull = k // GROUP_SIZE  # groups wholly inside x: read with contiguous loads
+    # The int8 bytes of a group in xq's order: word q = 2 j + h holds values 8 j + h + 2 b
+    # (b = 0..3, byte b) of the group.
+    perm = [8 * (q // 2) + q % 2 + 2 * bb for q in range(8) for bb in range(4)]
+    v32 = f"float32x{GROUP_SIZE}"
+
+    def xgroup(x, r, g, masked: bool):
+        """The 32 values of group g of row r as float32x32 (zeros past k when `masked`)."""
+        idx = T.Ramp(g * GROUP_SIZE, 1, GROUP_SIZE)
+        if not masked:
+            return T.Cast(v32, x[r, idx])
+        return T.Select(
+            idx < T.Broadcast(k, GROUP_SIZE),
+            T.Cast(v32, x[r, T.min(idx, T.Broadcast(k - 1, GROUP_SIZE))]),
+            T.Broadcast(T.float32(0), GROUP_SIZE),
+        )
+
+    @T.macro
+    def prep_group(x, xq, xs, xo, r, g, word0, groups, e, masked):
+        """Quantize group g of row r: xs = max |x| / 127, the 32 int8 values to their 8 words
+        (word0 + q * groups + e, q = 0..7) and xo = -8 * their sum."""
+        sc = T.alloc_buffer((2,), F32)
+        qv = T.alloc_buffer((GROUP_SIZE,), i32)
+        pk = T.alloc_buffer((8,), i32)
+        sc[0] = _tree(T.fabs(xgroup(x, r, g, masked)), GROUP_SIZE, T.max)
+        sc[1] = T.Select(sc[0] > T.float32(0), T.float32(127) / sc[0], T.float32(0))
+        xs[r, g] = sc[0] / T.float32(127)
+        qv[T.Ramp(0, 1, GROUP_SIZE)] = T.Cast(
+            f"int32x{GROUP_SIZE}",
+            T.nearbyint(xgroup(x, r, g, masked) * T.Broadcast(sc[1], GROUP_SIZE)),
+        )
+        pk[T.Ramp(0, 1, 8)] = T.reinterpret(
+            "int32x8",
+            tirx.Shuffle([T.Cast(f"int8x{GROUP_SIZE}", qv[T.Ramp(0, 1, GROUP_SIZE)])], perm),
+        )
+        for q in T.unroll(8):
+            xq[r, word0 + q * groups + e] = pk[q]
+        xo[r, g] = _tree(qv[T.Ramp(0, 1, GROUP_SIZE)], GROUP_SIZE, _add) * -8
+
+    # groups [0, g4) sit in units of 16, [g4, kg4) in units of 4; contiguous loads up to kfull
+    f16, m16 = min(kfull, g4), g4
+    f4, m4 = max(kfull, g4), kg4
+    has_f16, has_m16, has_f4, has_m4 = f16 > 0, m16 > f16, f4 > g4, m4 > f4
+
+    @T.macro
+    def prep(x, xq, xs, xo, m):
+        for r in range(m):
+            if has_f16:
+                for g in range(f16):
+                    prep_group(x, xq, xs, xo, r, g, g // LANES * 128, LANES, g % LANES, False)
+            if has_m16:
+                for g in range(f16, m16):
+                    prep_group(x, xq, xs, xo, r, g, g // LANES * 128, LANES, g % LANES, True)
+            if has_f4:
+                for g in range(g4, f4):
+                    prep_group(
+                        x, xq, xs, xo, r, g, (g4 + (g - g4) // 4 * 4) * 8, 4, (g - g4) % 4, False
+                    )
+            if has_m4:
+                for g in range(f4, m4):
+                    prep_group(
+                        x, xq, xs, xo, r, g, (g4 + (g - g4) // 4 * 4) * 8, 4, (g - g4) % 4, True
+                    )
+
+    def chain(wl, xq, xo, r, g0, groups):
+        acc = xo[r, T.Ramp(g0, 1, groups)]
+        for q in range(8):
+            acc = _dpbusd(
+                acc,
+                wl[T.Ramp(q * groups, 1, groups)],
+                xq[r, T.Ramp(g0 * XQ_WORDS_PER_GROUP + q * groups, 1, groups)],
+                groups,
+            )
+        return T.Cast(f"float32x{groups}", acc)
+
+    @T.macro
+    def unit(wl, sl, facc, xq, xs, xo, r0, nrows, g0, groups):
+        for rr in T.unroll(nrows):
+            facc[T.Ramp(rr * groups, 1, groups)] = facc[T.Ramp(rr * groups, 1, groups)] + chain(
+                wl, xq, xo, r0 + rr, g0, groups
+            ) * (sl[T.Ramp(0, 1, groups)] * xs[r0 + rr, T.Ramp(g0, 1, groups)])
+
+    def sum_lanes(buf, base, count):
+        return _tree(buf[T.Ramp(base, 1, count)], count, _add)
+
+    @T.macro
+    def store(y, b, r, row, total):
+        if bias:
+            y[r, row] = T.Cast(dtype, total + T.Cast(F32, b[row]))
+        else:
+            y[r, row] = T.Cast(dtype, total)
+
+    @T.macro
+    def block(w, s, b, y, xq, xs, xo, wt, st, row, r0, nrows):
+        wl = T.alloc_buffer((8 * LANES,), "uint32")
+        sl = T.alloc_buffer((LANES,), F32)
+        f16 = T.alloc_buffer((nrows * LANES,), F32)
+        f4 = T.alloc_buffer((nrows * 4,), F32)
+        for a in T.unroll(nrows):
+            f16[T.Ramp(a * LANES, 1, LANES)] = T.Broadcast(T.float32(0), LANES)
+            f4[T.Ramp(a * 4, 1, 4)] = T.Broadcast(T.float32(0), 4)
+        for u in range(nb):
+            wl[T.Ramp(0, 1, 8 * LANES)] = _unpack_unit(
+                [w[row, T.Ramp(u * 4 * LANES + v * LANES, 1, LANES)] for v in range(4)], LANES
+            )
+            sl[T.Ramp(0, 1, LANES)] = T.Cast(
+                f"float32x{LANES}", s[row, T.Ramp(u * LANES, 1, LANES)]
+            )
+            unit(wl, sl, f16, xq, xs, xo, r0, nrows, u * LANES, LANES)
+        for u in range(n4):
+            wl[T.Ramp(0, 1, 32)] = _unpack_unit(
+                [w[row, T.Ramp(g4 * WORDS_PER_GROUP + u * LANES, 1, LANES)]], 4
+            )
+            sl[T.Ramp(0, 1, 4)] = T.Cast("float32x4", s[row, T.Ramp(g4 + u * 4, 1, 4)])
+            unit(wl, sl, f4, xq, xs, xo, r0, nrows, g4 + u * 4, 4)
+        if has_part:
+            wl[T.Ramp(0, 1, 32)] = _unpack_unit([wt[T.Ramp(0, 1, LANES)]], 4)
+            sl[T.Ramp(0, 1, 4)] = st[T.Ramp(0, 1, 4)]
+            unit(wl, sl, f4, xq, xs, xo, r0, nrows, gp, 4)
+        for rr in range(nrows):
+            if both:
+                store(
+                    y, b, r0 + rr, row, sum_lanes(f16, rr * LANES, LANES) + sum_lanes(f4, rr * 4, 4)
+                )
+            elif only16:
+                store(y, b, r0 + rr, row, sum_lanes(f16, rr * LANES, LANES))
+            else:
+                store(y, b, r0 + rr, row, sum_lanes(f4, rr * 4, 4))
+
+    @T.macro
+    def vnni(x, w, s, b, y, m):
+        xq = T.alloc_buffer((m, kg4 * XQ_WORDS_PER_GROUP), i32)
+        xs = T.alloc_buffer((m, kg4), F32)
+        xo = T.alloc_buffer((m, kg4), i32)
+        prep(x, xq, xs, xo, m)
+        for row in T.parallel(n):
+            wt = T.alloc_buffer((LANES,), "uint32")
+            st = T.alloc_buffer((4,), F32)
+            if has_part:
+                for i in range(LANES):
+                    wt[i] = T.Select(
+                        i < part * WORDS_PER_GROUP,
+                        w[row, T.min(gp * WORDS_PER_GROUP + i, kw - 1)],
+                        T.uint32(0),
+                    )
+                for i in range(4):
+                    st[i] = T.Select(
+                        i < part, T.Cast(F32, s[row, T.min(gp + i, kg - 1)]), T.float32(0)
+                    )
+            for rb in range(m // rows):
+                block(w, s, b, y, xq, xs, xo, wt, st, row, rb * rows, rows)
+            if m % rows >= 4:
+                block(w, s, b, y, xq, xs, xo, wt, st, row, m - m % rows, 4)
+            if m % 4 >= 2:
+                block(w, s, b, y, xq, xs, xo, wt, st, row, m - m % 4, 2)
+            if m % 2 == 1:
+                block(w, s, b, y, xq, xs, xo, wt, st, row, m - 1, 1)
+
+    return vnni
+
+
 @functools.cache  # parsing the TVMScript is most of a model's export time
-def gemv_q4(k: int, n: int, dtype: str, avx512: bool = False, bias: bool = False) -> tirx.PrimFunc:
+def gemv_q4(
+    k: int, n: int, dtype: str, avx512: bool | str = False, bias: bool = False
+) -> tirx.PrimFunc:
     """y[m, n] = x[m, k] @ dequant(W[n, kp/8], S[n, kp/32])^T (+ b), m small (decode); kp =
     `padded_k(k)`, the stored width (columns past k are zero weights).
 
-    `avx512`: unpack with a table lookup (the target must have AVX-512F; `common.has_avx512`).
+    `avx512`: True: unpack with a table lookup (the target must have AVX-512F;
+    `common.has_avx512`); "vnni": int8 activations and VNNI dot products (`gemv_q4_vnni_macro`;
+    the target must have AVX-512 VNNI, `common.has_avx512_vnni`), results within int8 rounding of
+    x (~1e-3 relative) rather than float rounding.
     One row (single-sequence decode) has its own copy of the body with m = 1 known: with
     no-alias buffers LLVM schedules the short-k loops of the dynamic-m body ~1.4x slower
     (k = 512: 34 vs 24 us, Zen 4, 2 threads)."""

@@ -21,7 +21,7 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedK
 from tvm.target import Target
 
 from localchat.engine.kernels.attention import create_paged_kv_cache_cpu
-from localchat.engine.kernels.common import has_avx512
+from localchat.engine.kernels.common import gemv_isa
 from localchat.engine.models import Architecture
 from localchat.engine.models.layers import Embedding, Linear, take_last_token
 from localchat.engine.quantization import QuantMode
@@ -189,7 +189,7 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.mode = mode
         self.target = target
-        avx512 = has_avx512(target)  # the decode GEMV unpacks by table lookup
+        avx512 = gemv_isa(target)  # which decode GEMV: VNNI int8, table lookup or generic
         self.model = LlamaModel(cfg, mode, tk, avx512)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, mode, tk, avx512)

@@ -36,7 +36,7 @@ from tvm.relax.frontend.nn import op
 from tvm.target import Target
 
 from localchat.engine.kernels import wkv
-from localchat.engine.kernels.common import has_avx512
+from localchat.engine.kernels.common import gemv_isa
 from localchat.engine.models import Architecture
 from localchat.engine.models.layers import Embedding, Linear
 from localchat.engine.models.rwkv4_state import (
@@ -246,7 +246,7 @@ class Rwkv4ForCausalLM(nn.Module):
         self.mode = mode
         self.target = target
         h = cfg.hidden_size
-        self.avx512 = has_avx512(target)
+        self.avx512 = gemv_isa(target)  # which decode GEMV: VNNI int8, table lookup or generic
         self.embeddings = Embedding(cfg.vocab_size, h, mode, tk)  # pre-LayerNorm folded in
         self.blocks = nn.ModuleList(
             [Block(cfg, mode, tk, self.avx512) for _ in range(cfg.num_hidden_layers)]
