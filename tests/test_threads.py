@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from fixtures import converted, smollm2_hf_dir
-
 from localchat.engine import threads
+
+from fixtures import converted, smollm2_hf_dir
 
 LOCALCHAT = str(Path(sys.executable).parent / "localchat")
 
