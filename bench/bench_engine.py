@@ -81,6 +81,11 @@ def weights_read_per_token(cfg: dict) -> int:
 
 
 def _peak_rss_mb() -> float:
+    """This process's peak RSS (VmHWM: getrusage's maxrss would carry over the parent's peak
+    across fork + exec, and the parent holds the bandwidth probe's 2 GiB)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
