@@ -434,15 +434,18 @@ class Scheduler:
     # -- steps -------------------------------------------------------------------------------
     def _prefill_step(self, requests: list[Request]) -> None:
         """Feed one chunk: the next prompt tokens of as many requests as fit, in one call."""
-        budget = self.model.prefill_chunk_size
+        chunk = budget = self.model.prefill_chunk_size
         batch: list[tuple[Request, list[int]]] = []
         for request in requests:
-            if budget <= 0:
-                break
-            end = request.fed + budget
+            # A prompt is cut only at multiples of the chunk size (and at an RNN snapshot), never
+            # where a shared budget happens to run out: where a prompt is cut changes the last
+            # bits of its logits, and a request must get the same tokens alone or in a batch.
+            end = (request.fed // chunk + 1) * chunk
             if request.fed < request.snapshot_at:
                 end = min(end, request.snapshot_at)  # stop there to fork the snapshot
             part = request.prompt_ids[request.fed : end]
+            if batch and len(part) > budget:
+                break  # the next step takes it whole
             batch.append((request, part))
             budget -= len(part)
         seqs = [r.seq for r, _ in batch]
