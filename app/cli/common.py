@@ -19,14 +19,6 @@ from typing import Any
 Handler = Callable[[argparse.Namespace], int]
 
 
-def add_threads_argument(parser: argparse.ArgumentParser, dest: str = "threads") -> None:
-    """The --threads N option of a command that runs a model."""
-    from localchat.engine.threads import THREADS_HELP, thread_count_argument
-
-    parser.add_argument("--threads", type=thread_count_argument, default=None, metavar="N",
-                        dest=dest, help=THREADS_HELP)
-
-
 def log(message: str) -> None:
     """A progress line or note, on stderr."""
     print(message, file=sys.stderr, flush=True)

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from localchat.cli.common import add_threads_argument, report_end, write_reply
+from localchat.cli.common import report_end, write_reply
+from localchat.engine.threads import add_threads_argument
 from localchat.errors import InvalidRequestError, LocalchatError
 
 CHAT_DEFAULT_MAX_TOKENS = 1024  # a turn of the interactive chat; one message: up to the window

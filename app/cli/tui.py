@@ -8,7 +8,7 @@ import argparse
 import os
 import sys
 
-from localchat.cli.common import add_threads_argument
+from localchat.engine.threads import add_threads_argument
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -57,6 +57,12 @@ def thread_count_argument(text: str) -> int:
         ) from None
 
 
+def add_threads_argument(parser: argparse.ArgumentParser, dest: str = "threads") -> None:
+    """The --threads N option of a command that runs a model."""
+    parser.add_argument("--threads", type=thread_count_argument, default=None, metavar="N",
+                        dest=dest, help=THREADS_HELP)
+
+
 def _allowed_cpus() -> list[int]:
     try:
         return sorted(os.sched_getaffinity(0))

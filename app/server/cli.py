@@ -8,7 +8,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from localchat.engine.threads import THREADS_HELP, configure_threads, thread_count_argument
+from localchat.engine.threads import add_threads_argument, configure_threads
 from localchat.errors import InvalidRequestError, LocalchatError
 from localchat.server.config import DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAULT_PORT, ServerConfig
 
@@ -32,8 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                    help=f"largest request body (default {DEFAULT_MAX_BODY_BYTES})")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, metal or vulkan")
-    p.add_argument("--threads", type=thread_count_argument, default=None, metavar="N",
-                   help=THREADS_HELP)
+    add_threads_argument(p)
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:

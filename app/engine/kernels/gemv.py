@@ -97,6 +97,19 @@ def _sum_lanes(acc, vecs: int, first: int = 0):
     return total
 
 
+def _store_macro(dtype: str, bias: bool):
+    """A macro `(y, b, r, row, total)` writing y[r, row] = total (+ b[row]) in `dtype`."""
+
+    @T.macro
+    def store(y, b, r, row, total):
+        if bias:
+            y[r, row] = T.Cast(dtype, total + T.Cast(F32, b[row]))
+        else:
+            y[r, row] = T.Cast(dtype, total)
+
+    return store
+
+
 def gemv_q4_macro(k: int, n: int, dtype: str, bias: bool, avx512: bool | str = False):
     """The 4-bit GEMV as a macro `(x, w, s, b, y, m)` over buffers x [m, k], w [n, kp/8] uint32,
     s [n, kp/32] (kp = `padded_k(k)`), b [n] (None without `bias`) and y [m, n], for use inside
@@ -150,12 +163,7 @@ def gemv_q4_macro(k: int, n: int, dtype: str, bias: bool, avx512: bool | str = F
             total = term if total is None else total + term
         return total
 
-    @T.macro
-    def store(y, b, r, row, total):
-        if bias:
-            y[r, row] = T.Cast(dtype, total + T.Cast(F32, b[row]))
-        else:
-            y[r, row] = T.Cast(dtype, total)
+    store = _store_macro(dtype, bias)
 
     @T.macro
     def generic(x, w, s, b, y, m):
@@ -378,12 +386,7 @@ def gemv_q4_vnni_macro(k: int, n: int, dtype: str, bias: bool, rows: int = VNNI_
     def sum_lanes(buf, base, count):
         return _tree(buf[T.Ramp(base, 1, count)], count, _add)
 
-    @T.macro
-    def store(y, b, r, row, total):
-        if bias:
-            y[r, row] = T.Cast(dtype, total + T.Cast(F32, b[row]))
-        else:
-            y[r, row] = T.Cast(dtype, total)
+    store = _store_macro(dtype, bias)
 
     @T.macro
     def block(w, s, b, y, xq, xs, xo, wt, st, row, r0, nrows):
