@@ -62,11 +62,13 @@ from localchat.tui.settings import ChatSettings
 from localchat.tui.widgets.prompt import PromptInput
 
 async def until(pilot, cond, timeout=600):
+    # A plain sleep between checks: pilot.pause() waits for the screen to go idle, work a user's
+    # terminal session never does, and it would take CPU from the decoding being measured.
     end = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > end:
             raise SystemExit("timed out")
-        await pilot.pause(0.02)
+        await asyncio.sleep(0.05)
 
 async def main():
     backend = LocalBackend(device)

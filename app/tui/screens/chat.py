@@ -198,7 +198,8 @@ class ChatScreen(Screen[None]):
                 f" · device {device}")
 
     def _show_stats(self) -> None:
-        self.query_one("#stats", Static).update(self.stats_line())
+        # The stats bar is one line high whatever its text: no layout pass (and full repaint).
+        self.query_one("#stats", Static).update(self.stats_line(), layout=False)
 
     def action_stats_details(self) -> None:
         st = self.last_stats

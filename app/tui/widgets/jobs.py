@@ -115,13 +115,19 @@ class JobsPanel(Static):
     def __init__(self, jobs: list[Job], **kwargs: object) -> None:
         super().__init__("", **kwargs)  # type: ignore[arg-type]
         self.jobs = jobs
+        self._shown: str | None = None
 
     def on_mount(self) -> None:
         self.refresh_jobs()
         self.set_interval(0.25, self.refresh_jobs)
 
     def refresh_jobs(self) -> None:
-        """Redraw from the jobs' current state."""
-        self.display = bool(self.jobs)
+        """Redraw from the jobs' current state, only when it changed: every update is a layout
+        pass and a full repaint, which would take CPU from a reply decoding meanwhile."""
         text = "\n".join(job.line() for job in self.jobs[-6:])
-        self.update("Jobs (Esc cancels the newest running one)\n" + text if text else "")
+        text = "Jobs (Esc cancels the newest running one)\n" + text if text else ""
+        if text == self._shown:
+            return
+        self._shown = text
+        self.display = bool(self.jobs)
+        self.update(text)
