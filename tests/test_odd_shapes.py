@@ -3,9 +3,10 @@
 reduction padded to whole groups with zero weights, which must not show in any result.
 
 The oracle is transformers on the same weights: as they are for q0f32, and with every weight our
-4-bit conversion quantizes replaced by its quantize-dequantize round trip for q4f32_1 (the
-padding then has to be exactly invisible, not merely close). One compiled model per architecture
-and mode, each with one layer, to keep compile time (which dominates) short.
+4-bit conversion quantizes replaced by its quantize-dequantize round trip for q4f32_1 and
+q4f32_asym (asymmetric 4-bit Linears, 8-bit embedding and LM head; the padding then has to be
+exactly invisible, not merely close). One compiled model per architecture and mode, each with
+one layer, to keep compile time (which dominates) short.
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ import numpy as np
 import pytest
 import torch
 
-from localchat.engine.quantization import dequantize_q4, quantize_q4
+from localchat.engine.quantization import (
+    dequantize_q4,
+    dequantize_q8,
+    quantize_q4,
+    quantize_q4_asym,
+    quantize_q8,
+)
 from localchat.engine.runtime import Model
 from localchat.errors import CompileError
 
@@ -28,7 +35,7 @@ from fixtures import converted
 from model_oracle import rel_err, run_teacher_forced
 
 ARCHS = ["llama-odd", "qwen2-odd", "mistral-odd", "rwkv4-odd"]
-QUANTS = ["q0f32", "q4f32_1"]
+QUANTS = ["q0f32", "q4f32_1", "q4f32_asym"]
 PROMPT = [int(t) for t in np.random.RandomState(11).randint(0, 999, 20)]
 STEPS = 8
 
@@ -40,21 +47,29 @@ def source(arch: str) -> Path:
     return llama_variants.build_variant(arch)
 
 
-def _round_trip(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [N, K] as our 4-bit conversion stores it, dequantized back to [N, K]."""
+def _round_trip(weight: torch.Tensor, quant: str = "q4f32_1", head: bool = False) -> torch.Tensor:
+    """`weight` [N, K] as our `quant` conversion stores it, dequantized back to [N, K]; `head`:
+    the embedding or LM head (8-bit in the asymmetric modes)."""
     w = weight.detach().float().numpy()
+    k = w.shape[1]
+    if quant == "q4f32_asym" and head:
+        return torch.from_numpy(dequantize_q8(*quantize_q8(w), k))
+    if quant == "q4f32_asym":
+        words, scale, low = quantize_q4_asym(w)
+        return torch.from_numpy(dequantize_q4(words, scale, k, low))
     words, scale = quantize_q4(w, "float32")
-    return torch.from_numpy(dequantize_q4(words, scale, w.shape[1]))
+    return torch.from_numpy(dequantize_q4(words, scale, k))
 
 
-def _quantize_like_convert(hf, arch: str) -> None:
-    """Replace, in place, every weight our q4 conversion quantizes by its round trip: all
+def _quantize_like_convert(hf, arch: str, quant: str) -> None:
+    """Replace, in place, every weight our `quant` conversion quantizes by its round trip: all
     Linear weights and the embedding (rows are quantized independently, so our fusing of q/k/v
     and gate/up along rows does not change what each row becomes)."""
+    heads = (hf.get_output_embeddings(),)
     with torch.no_grad():
         for module in hf.modules():
             if isinstance(module, torch.nn.Linear):
-                module.weight.copy_(_round_trip(module.weight))
+                module.weight.copy_(_round_trip(module.weight, quant, module in heads))
         if arch.startswith("rwkv"):
             # ours stores the embedding with block 0's pre-LayerNorm folded in, quantized after
             # the fold: give the oracle that very table and take its pre-LayerNorm away
@@ -64,12 +79,12 @@ def _quantize_like_convert(hf, arch: str) -> None:
             state = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
             cfg = Rwkv4Config.from_hf(hf.config.to_dict())
             folded = dict(hf_params(cfg, state.__getitem__, set(state)))["embeddings.weight"]
-            hf.rwkv.embeddings.weight.copy_(_round_trip(torch.from_numpy(folded)))
+            hf.rwkv.embeddings.weight.copy_(_round_trip(torch.from_numpy(folded), quant, True))
             hf.rwkv.blocks[0].pre_ln = torch.nn.Identity()
         else:
             emb = hf.model.embed_tokens.weight
             if not hf.config.tie_word_embeddings:
-                emb.copy_(_round_trip(emb))
+                emb.copy_(_round_trip(emb, quant, True))
             elif hf.lm_head.weight.data_ptr() != emb.data_ptr():  # tied: quantized once
                 emb.copy_(hf.lm_head.weight)
 
@@ -81,7 +96,7 @@ def reference(arch: str, quant: str) -> tuple[list[int], list[np.ndarray]]:
 
     hf = AutoModelForCausalLM.from_pretrained(source(arch), dtype=torch.float32).eval()
     if quant != "q0f32":
-        _quantize_like_convert(hf, arch)
+        _quantize_like_convert(hf, arch, quant)
     with torch.no_grad():
         if arch.startswith("rwkv"):
             out = hf(torch.tensor([PROMPT]), use_cache=True)

@@ -23,7 +23,12 @@ import numpy as np
 
 from localchat.engine import model_dir as md
 from localchat.engine.models import Architecture, detect_architecture
-from localchat.engine.quantization import QuantMode, get_quant_mode, quantize_q4
+from localchat.engine.quantization import (
+    QuantMode,
+    get_quant_mode,
+    quantize_q8,
+    quantize_weight,
+)
 from localchat.engine.templates import load_chat_template
 from localchat.engine.tokenizer import WORLD_VOCAB_FILE, read_json
 from localchat.engine.weights import WeightSource, open_weights
@@ -108,10 +113,13 @@ def _model_params(
         if name not in expected:
             raise WeightsError(f"internal: converter produced unknown parameter {name}")
         value = np.asarray(value, dtype=np.float32)
-        scale_name = name[: -len("weight")] + "scale"
-        if scale_name in expected:
-            words, scale = quantize_q4(value, mode.dtype)
-            pairs = [(name, words), (scale_name, scale)]
+        prefix = name[: -len("weight")]
+        if prefix + "scale" in expected and str(expected[name].dtype) == "int8":
+            # the 8-bit embedding / LM head of the asymmetric modes
+            q, scale = quantize_q8(value)
+            pairs = [(name, q), (prefix + "scale", scale)]
+        elif prefix + "scale" in expected:
+            pairs = [(prefix + part, array) for part, array in quantize_weight(value, mode).items()]
         else:
             pairs = [(name, value.astype(str(expected[name].dtype)))]
         for pname, array in pairs:

@@ -1,15 +1,33 @@
 """Quantization modes by name, and how each packs a weight matrix.
 
-`qAfB` follows MLC-LLM's naming: A is the weight bit width (0 = unquantized), fB the float type
-of activations and scales. The 4-bit modes are symmetric group quantization: groups of 32
+`qAfB_1` follows MLC-LLM's naming: A is the weight bit width (0 = unquantized), fB the float type
+of activations and scales. The `_1` 4-bit modes are symmetric group quantization: groups of 32
 consecutive values along the reduction axis share one scale (max |w| / 7); each value is stored
 as a nibble q in [0, 15] meaning (q - 8) * scale, eight nibbles per uint32 word, the first value
 of a word in its lowest bits.
 
-A reduction size K that is not a multiple of 32 is padded to the next multiple with zero weights
-before packing (as MLC-LLM's group quantization does): the stored matrix is [N, ceil(K/32)*32]
-and its last group holds the K % 32 real values plus zeros, which quantize to the nibble 8, i.e.
-exactly 0 whatever the scale. Kernels read only the first K inputs, so the padding never shows.
+`q4f32_asym` and `q4f16_asym` are asymmetric (llama.cpp's Q4_1): the same groups and nibble
+packing, but each group has a scale and a min, both stored as float16 whatever the activation
+type, and q means q * scale + min. The quantizer takes min = the group's min and scale = (group
+max - min) / 15, both rounded to float16 as stored before q = round((w - min) / scale) is
+computed, so 32 weights take 20 bytes as in q4f32_1, and a group that came from a Q4_1 GGUF
+(value d * q + m in float32) round-trips exactly: min is m, scale is d, q is q. The suffix says
+what the mode is rather than MLC's number (MLC's q4f16_2 etc. are other layouts).
+
+In the asymmetric modes the token embedding table and the LM head (tied to it or not) are 8-bit
+instead, as llama.cpp keeps them in its Q4_1 files (Q8_0 or Q6_K): per group of 32 a float16
+scale (max |w| / 127) and int8 values q in [-127, 127], value q * scale, stored as an int8 matrix
+[N, Kp] (zero padding), 34 bytes per 32 weights. A Q8_0 tensor round-trips exactly. With the
+embedding re-quantized to 4 bits instead, SmolLM2-135M's greedy top-1 agreement with q0f32 is
+87% (its Q4_1 GGUF holds the embedding in Q8_0, the rest round-trips exactly); with 8 bits, 100%
+in float arithmetic.
+
+A reduction size K that is not a multiple of 32 is padded to the next multiple before packing (as
+MLC-LLM's group quantization does): the stored matrix is [N, ceil(K/32)*32] and its last group
+holds the K % 32 real values plus padding. In the symmetric modes the padding is zero weights,
+nibble 8, exactly 0 whatever the scale; in the asymmetric ones it repeats the row's last value
+(so the group's min and max are those of its real values), and is not 0. Kernels read only the
+first K inputs (x is taken as zero past K), so the padding never shows in either.
 """
 
 from __future__ import annotations
@@ -31,10 +49,22 @@ class QuantMode:
     name: str
     bits: int
     dtype: str
+    asymmetric: bool = False  # 4-bit: a min per group as well as a scale (value q * scale + min)
 
     @property
     def quantized(self) -> bool:
         return self.bits > 0
+
+    @property
+    def head_bits(self) -> int:
+        """Weight bits of the token embedding and the LM head: 8 in the asymmetric modes."""
+        return 8 if self.asymmetric else self.bits
+
+    @property
+    def group_dtype(self) -> str:
+        """The type the group scales (and mins) are stored in: float16 in the asymmetric modes
+        (llama.cpp's Q4_1 d and m), the activation type in the symmetric ones."""
+        return "float16" if self.asymmetric else self.dtype
 
 
 QUANT_MODES: dict[str, QuantMode] = {
@@ -44,6 +74,8 @@ QUANT_MODES: dict[str, QuantMode] = {
         QuantMode("q0f16", 0, "float16"),
         QuantMode("q4f32_1", 4, "float32"),
         QuantMode("q4f16_1", 4, "float16"),
+        QuantMode("q4f32_asym", 4, "float32", asymmetric=True),
+        QuantMode("q4f16_asym", 4, "float16", asymmetric=True),
     )
 }
 
@@ -62,6 +94,21 @@ def padded_k(k: int) -> int:
     return -(-k // GROUP_SIZE) * GROUP_SIZE
 
 
+def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """Nibbles q [N, Kp] (0..15) as uint32 words [N, Kp/8], the first nibble in the lowest bits."""
+    n, kp = q.shape
+    q = q.reshape(n, kp // NIBBLES_PER_WORD, NIBBLES_PER_WORD).astype(np.uint32)
+    shifts = (np.arange(NIBBLES_PER_WORD, dtype=np.uint32) * 4)[None, None, :]
+    return np.bitwise_or.reduce(q << shifts, axis=-1).astype(np.uint32)
+
+
+def _unpack_nibbles(words: np.ndarray) -> np.ndarray:
+    """Inverse of `_pack_nibbles`: int32 nibbles [N, Kw*8]."""
+    n, kw = words.shape
+    shifts = (np.arange(NIBBLES_PER_WORD, dtype=np.uint32) * 4)[None, None, :]
+    return ((words[..., None] >> shifts) & 15).astype(np.int32).reshape(n, kw * NIBBLES_PER_WORD)
+
+
 def quantize_q4(weight: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
     """Pack a float [N, K] matrix into (uint32 words [N, Kp/8], scales [N, Kp/32] of `dtype`),
     Kp = `padded_k(K)`: the columns past K are zero weights."""
@@ -77,18 +124,90 @@ def quantize_q4(weight: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]
     # Divide by the scale as stored, so dequantization reproduces the rounding we chose here.
     safe = np.where(scale == 0, 1.0, scale.astype(np.float32))
     q = np.clip(np.rint(groups / safe[..., None]), -8, 7).astype(np.int32) + 8
-    q = q.reshape(n, kp // NIBBLES_PER_WORD, NIBBLES_PER_WORD).astype(np.uint32)
-    shifts = (np.arange(NIBBLES_PER_WORD, dtype=np.uint32) * 4)[None, None, :]
-    words = np.bitwise_or.reduce(q << shifts, axis=-1).astype(np.uint32)
-    return words, scale
+    return _pack_nibbles(q.reshape(n, kp)), scale
 
 
-def dequantize_q4(words: np.ndarray, scale: np.ndarray, k: int | None = None) -> np.ndarray:
-    """Inverse of `quantize_q4` (as float32), for tests and for checking conversions; `k`: the
-    real reduction size, to drop the padding columns (default: keep the stored width)."""
+def quantize_q4_asym(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pack a float [N, K] matrix asymmetrically into (uint32 words [N, Kp/8], float16 scales
+    [N, Kp/32], float16 mins [N, Kp/32]), Kp = `padded_k(K)`; value = q * scale + min. The
+    columns past K repeat each row's last value (not 0: kernels read only the first K)."""
+    if weight.ndim != 2:
+        raise QuantizationError(f"cannot 4-bit quantize a tensor of shape {weight.shape}")
+    n, k = weight.shape
+    kp = padded_k(k)
+    weight = weight.astype(np.float32)
+    if kp != k:
+        weight = np.pad(weight, ((0, 0), (0, kp - k)), mode="edge")
+    groups = weight.reshape(n, kp // GROUP_SIZE, GROUP_SIZE)
+    low = groups.min(axis=-1).astype(np.float16)
+    # The range from the min as stored, and q from the scale and min as stored, so that
+    # dequantization reproduces the rounding chosen here.
+    with np.errstate(over="ignore", invalid="ignore"):
+        scale = ((groups.max(axis=-1) - low.astype(np.float32)) / np.float32(15)).astype(np.float16)
+    if not (np.isfinite(low).all() and np.isfinite(scale).all()):
+        raise QuantizationError("weights beyond float16's range cannot be 4-bit quantized "
+                                "asymmetrically (the group scales and mins are float16)")
+    s32 = scale.astype(np.float32)
+    safe = np.where(s32 == 0, np.float32(1), s32)
+    q = np.rint((groups - low.astype(np.float32)[..., None]) / safe[..., None])
+    q = np.clip(q, 0, 15).astype(np.int32)
+    return _pack_nibbles(q.reshape(n, kp)), scale, low
+
+
+def dequantize_q4(
+    words: np.ndarray, scale: np.ndarray, k: int | None = None, low: np.ndarray | None = None
+) -> np.ndarray:
+    """Inverse of `quantize_q4` (as float32), or of `quantize_q4_asym` given its mins `low`
+    (q * scale + min in float32, as llama.cpp's Q4_1), for tests and for checking conversions;
+    `k`: the real reduction size, to drop the padding columns (default: keep the stored width)."""
     n, kw = words.shape
-    shifts = (np.arange(NIBBLES_PER_WORD, dtype=np.uint32) * 4)[None, None, :]
-    q = ((words[..., None] >> shifts) & 15).astype(np.int32) - 8
+    q = _unpack_nibbles(words)
+    if low is None:
+        q = q - 8
     q = q.reshape(n, kw * NIBBLES_PER_WORD // GROUP_SIZE, GROUP_SIZE).astype(np.float32)
-    full = (q * scale.astype(np.float32)[..., None]).reshape(n, kw * NIBBLES_PER_WORD)
+    full = q * scale.astype(np.float32)[..., None]
+    if low is not None:
+        full = full + low.astype(np.float32)[..., None]
+    full = full.reshape(n, kw * NIBBLES_PER_WORD)
     return full if k is None else full[:, :k]
+
+
+def quantize_q8(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Pack a float [N, K] matrix into (int8 values [N, Kp], float16 scales [N, Kp/32]), Kp =
+    `padded_k(K)`, value = q * scale (llama.cpp's Q8_0); the columns past K are 0."""
+    if weight.ndim != 2:
+        raise QuantizationError(f"cannot 8-bit quantize a tensor of shape {weight.shape}")
+    n, k = weight.shape
+    kp = padded_k(k)
+    weight = weight.astype(np.float32)
+    if kp != k:
+        weight = np.pad(weight, ((0, 0), (0, kp - k)))
+    groups = weight.reshape(n, kp // GROUP_SIZE, GROUP_SIZE)
+    with np.errstate(over="ignore"):
+        scale = (np.abs(groups).max(axis=-1) / np.float32(127)).astype(np.float16)
+    if not np.isfinite(scale).all():
+        raise QuantizationError("weights beyond float16's range cannot be 8-bit quantized "
+                                "(the group scales are float16)")
+    s32 = scale.astype(np.float32)
+    safe = np.where(s32 == 0, np.float32(1), s32)
+    q = np.clip(np.rint(groups / safe[..., None]), -127, 127).astype(np.int8)
+    return q.reshape(n, kp), scale
+
+
+def dequantize_q8(q: np.ndarray, scale: np.ndarray, k: int | None = None) -> np.ndarray:
+    """Inverse of `quantize_q8` (as float32); `k`: the real reduction size."""
+    n, kp = q.shape
+    groups = q.reshape(n, kp // GROUP_SIZE, GROUP_SIZE).astype(np.float32)
+    full = (groups * scale.astype(np.float32)[..., None]).reshape(n, kp)
+    return full if k is None else full[:, :k]
+
+
+def quantize_weight(weight: np.ndarray, mode: QuantMode) -> dict[str, np.ndarray]:
+    """The stored parameters of one 4-bit weight matrix in `mode`, by name suffix: "weight"
+    (the packed words), "scale" and, in the asymmetric modes, "min". (The 8-bit embedding and
+    head of the asymmetric modes: `quantize_q8`.)"""
+    if mode.asymmetric:
+        words, scale, low = quantize_q4_asym(weight)
+        return {"weight": words, "scale": scale, "min": low}
+    words, scale = quantize_q4(weight, mode.dtype)
+    return {"weight": words, "scale": scale}

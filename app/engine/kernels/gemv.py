@@ -33,9 +33,17 @@ operations are the same whatever the batch, so a row's bits never depend on the 
 ~2.5x fewer instructions per weight than the table lookup, so one row streams weights at the
 memory's speed; 16 rows cost ~5x one row.
 
-This is the one decode GEMV: the models' Linear layers run `gemv_q4` / `gemv_f` for every decode
-step and logits (`models.layers`), with the variant `common.gemv_isa` picks for the target. Float
-weights: the same shape without the unpacking (16-lane loads of W and x, fp32 accumulation).
+The asymmetric modes (value q * scale + min, float16 scale and min per group) run the same three
+kernels with `asym=True`: per group, sum (q s + min) x = s sum q x + min sum x, so the nibbles
+count from 0 instead of -8 and the mins meet sums of x the kernels already have (the generic one's
+per-word sums; the VNNI one's int8 group sums) or compute (the table one). Their 8-bit embedding /
+LM head runs `gemv_q8`: with VNNI, int8 x against the weight bytes taken directly (no unpacking,
+no transposition: a 64-byte vector is two groups), otherwise float arithmetic.
+
+This is the one decode GEMV: the models' Linear layers run `gemv_q4` / `gemv_f` (and `gemv_q8`
+for an 8-bit head) for every decode step and logits (`models.layers`), with the variant
+`common.gemv_isa` picks for the target. Float weights: the same shape without the unpacking
+(16-lane loads of W and x, fp32 accumulation).
 """
 
 from __future__ import annotations
@@ -110,12 +118,18 @@ def _store_macro(dtype: str, bias: bool):
     return store
 
 
-def gemv_q4_macro(k: int, n: int, dtype: str, bias: bool, avx512: bool | str = False):
-    """The 4-bit GEMV as a macro `(x, w, s, b, y, m)` over buffers x [m, k], w [n, kp/8] uint32,
-    s [n, kp/32] (kp = `padded_k(k)`), b [n] (None without `bias`) and y [m, n], for use inside
-    other kernels."""
+def gemv_q4_macro(
+    k: int, n: int, dtype: str, bias: bool, avx512: bool | str = False, asym: bool = False
+):
+    """The 4-bit GEMV as a macro `(x, w, s, mn, b, y, m)` over buffers x [m, k], w [n, kp/8]
+    uint32, s [n, kp/32] (kp = `padded_k(k)`), mn [n, kp/32] (the group mins with `asym`, else
+    None), b [n] (None without `bias`) and y [m, n], for use inside other kernels.
+
+    `asym`: value q * s + mn (the asymmetric modes) instead of (q - 8) * s. Per group, sum (q s +
+    mn) x = s sum q x + mn sum x: the nibbles are taken as 0..15 and the mins meet per-word sums
+    of x (the generic kernel's sums for the -8 offset; the table kernel computes them too)."""
     if avx512 == "vnni":
-        return gemv_q4_vnni_macro(k, n, dtype, bias)
+        return gemv_q4_vnni_macro(k, n, dtype, bias, asym=asym)
     kw = padded_k(k) // NIBBLES_PER_WORD
     nv = kw // LANES  # full vectors of 16 words per row
     tw = kw % LANES  # words of the last, narrower vector (a multiple of 4)
@@ -129,15 +143,16 @@ def gemv_q4_macro(k: int, n: int, dtype: str, bias: bool, avx512: bool | str = F
         rb, vu = 1, 1
     else:
         rb, vu = divisor(n, (ROWS, 2)), divisor(nv, (VEC_UNROLL, 2))
-    prepare = transpose_x(k, with_sums=not avx512)
+    prepare = transpose_x(k, with_sums=not avx512 or asym)
     v16 = f"float32x{LANES}"
 
     def lookup(words_u32, p: int):
-        """float(q_p - 8) for nibble p of 16 words: vpermps over the table -8..7."""
+        """float(q_p - 8) (asym: float(q_p)) for nibble p of 16 words: vpermps over the table
+        -8..7 (0..15)."""
         shifted = (
             words_u32 if p == 0 else T.shift_right(words_u32, T.Broadcast(T.uint32(4 * p), LANES))
         )
-        table = T.Cast(v16, T.Ramp(T.int32(-8), T.int32(1), LANES))
+        table = T.Cast(v16, T.Ramp(T.int32(0 if asym else -8), T.int32(1), LANES))
         return T.call_llvm_pure_intrin(
             v16, "llvm.x86.avx512.permvar.sf.512", table, T.reinterpret(f"int32x{LANES}", shifted)
         )
@@ -165,8 +180,19 @@ def gemv_q4_macro(k: int, n: int, dtype: str, bias: bool, avx512: bool | str = F
 
     store = _store_macro(dtype, bias)
 
+    def word_term(w, xp, xs, s, mn, row, r, g0, wd0, e, groups: int = GROUPS_PER_VEC):
+        """Lane e's share of row `row` of W times row r of x: word wd0 + e, of the groups from
+        g0 (4 words each)."""
+        if asym:
+            return _lane_scale(s, row, g0, e, groups) * _nibble_dot(
+                w, xp, row, r, wd0 + e
+            ) + _lane_scale(mn, row, g0, e, groups) * xs[r, wd0 + e]
+        return _lane_scale(s, row, g0, e, groups) * (
+            _nibble_dot(w, xp, row, r, wd0 + e) - T.float32(8) * xs[r, wd0 + e]
+        )
+
     @T.macro
-    def generic(x, w, s, b, y, m):
+    def generic(x, w, s, mn, b, y, m):
         xp = T.alloc_buffer((m, NIBBLES_PER_WORD, kw), F32)
         xs = T.alloc_buffer((m, kw), F32)
         prepare(x, xp, xs, m)
@@ -179,26 +205,46 @@ def gemv_q4_macro(k: int, n: int, dtype: str, bias: bool, avx512: bool | str = F
                 for vo in range(nv // vu):
                     for u in T.unroll(vu):
                         for e in T.vectorized(LANES):
-                            acc[u * LANES + e] = acc[u * LANES + e] + _lane_scale(
-                                s, jo * rb + jj, (vo * vu + u) * GROUPS_PER_VEC, e
-                            ) * (
-                                _nibble_dot(w, xp, jo * rb + jj, r, (vo * vu + u) * LANES + e)
-                                - T.float32(8) * xs[r, (vo * vu + u) * LANES + e]
+                            acc[u * LANES + e] = acc[u * LANES + e] + word_term(
+                                w, xp, xs, s, mn, jo * rb + jj, r, (vo * vu + u) * GROUPS_PER_VEC,
+                                (vo * vu + u) * LANES, e,
                             )
                 if tw > 0:
                     for e in T.vectorized(tw):
-                        acc[e] = acc[e] + _lane_scale(
-                            s, jo * rb + jj, nv * GROUPS_PER_VEC, e, tw // WORDS_PER_GROUP
-                        ) * (
-                            _nibble_dot(w, xp, jo * rb + jj, r, nv * LANES + e)
-                            - T.float32(8) * xs[r, nv * LANES + e]
+                        acc[e] = acc[e] + word_term(
+                            w, xp, xs, s, mn, jo * rb + jj, r, nv * GROUPS_PER_VEC,
+                            nv * LANES, e, tw // WORDS_PER_GROUP,
                         )
                 store(y, b, r, jo * rb + jj, _sum_lanes(acc, vu))
 
+    def vec_term(w, xp, xs, s, mn, row, r, g0, wd0):
+        """The 16 lanes of row `row` of W times row r of x over the 16 words from wd0."""
+        if asym:
+            return vec_scale(s, row, g0) * vec_dot(w, xp, row, r, wd0) + vec_scale(
+                mn, row, g0
+            ) * xs[r, T.Ramp(wd0, 1, LANES)]
+        return vec_scale(s, row, g0) * vec_dot(w, xp, row, r, wd0)
+
+    def tail_term(w, xp, xs, s, mn, row, r, e):
+        """Lane e of the last, narrower vector of words."""
+        g0, groups = nv * GROUPS_PER_VEC, tw // WORDS_PER_GROUP
+        if asym:
+            return _lane_scale(s, row, g0, e, groups) * _nibble_dot(
+                w, xp, row, r, nv * LANES + e
+            ) + _lane_scale(mn, row, g0, e, groups) * xs[r, nv * LANES + e]
+        return _lane_scale(s, row, g0, e, groups) * _nibble_dot(
+            w, xp, row, r, nv * LANES + e, centered=True
+        )
+
     @T.macro
-    def table(x, w, s, b, y, m):
+    def table(x, w, s, mn, b, y, m):
         xp = T.alloc_buffer((m, NIBBLES_PER_WORD, kw), F32)
-        prepare(x, xp, None, m)
+        if asym:
+            xs = T.alloc_buffer((m, kw), F32)
+            prepare(x, xp, xs, m)
+        else:
+            xs = T.meta_var(None)
+            prepare(x, xp, None, m)
         for jo in T.parallel(n // rb):
             acc = T.alloc_buffer((rb * vu * LANES,), F32)
             for r in range(m):
@@ -209,15 +255,16 @@ def gemv_q4_macro(k: int, n: int, dtype: str, bias: bool, avx512: bool | str = F
                         for jj in T.unroll(rb):
                             acc[T.Ramp((jj * vu + u) * LANES, 1, LANES)] = acc[
                                 T.Ramp((jj * vu + u) * LANES, 1, LANES)
-                            ] + vec_scale(
-                                s, jo * rb + jj, (vo * vu + u) * GROUPS_PER_VEC
-                            ) * vec_dot(w, xp, jo * rb + jj, r, (vo * vu + u) * LANES)
+                            ] + vec_term(
+                                w, xp, xs, s, mn, jo * rb + jj, r,
+                                (vo * vu + u) * GROUPS_PER_VEC, (vo * vu + u) * LANES,
+                            )
                 if tw > 0:
                     for jj in T.unroll(rb):
                         for e in T.vectorized(tw):
-                            acc[jj * vu * LANES + e] = acc[jj * vu * LANES + e] + _lane_scale(
-                                s, jo * rb + jj, nv * GROUPS_PER_VEC, e, tw // WORDS_PER_GROUP
-                            ) * _nibble_dot(w, xp, jo * rb + jj, r, nv * LANES + e, centered=True)
+                            acc[jj * vu * LANES + e] = acc[jj * vu * LANES + e] + tail_term(
+                                w, xp, xs, s, mn, jo * rb + jj, r, e
+                            )
                 for jj in range(rb):
                     store(y, b, r, jo * rb + jj, _sum_lanes(acc, vu, jj * vu))
 
@@ -273,8 +320,10 @@ def _unpack_unit(vectors, groups: int):
     return tirx.Shuffle(parts, list(range(8 * groups)))
 
 
-def gemv_q4_vnni_macro(k: int, n: int, dtype: str, bias: bool, rows: int = VNNI_ROWS):
-    """The 4-bit GEMV with int8 activations and AVX-512 VNNI, as a macro `(x, w, s, b, y, m)`
+def gemv_q4_vnni_macro(
+    k: int, n: int, dtype: str, bias: bool, rows: int = VNNI_ROWS, asym: bool = False
+):
+    """The 4-bit GEMV with int8 activations and AVX-512 VNNI, as a macro `(x, w, s, mn, b, y, m)`
     over the buffers of `gemv_q4_macro`.
 
     x is quantized once per call, per row and group of 32 values, to int8 (scale max|x| / 127,
@@ -286,7 +335,13 @@ def gemv_q4_vnni_macro(k: int, n: int, dtype: str, bias: bool, rows: int = VNNI_
     -8 * (sum of the group's int8 x). Each unit adds float(dot) * (w scale * x scale) to a float
     accumulator per row of x; rows of x run inside the unit loop in blocks of `rows`, so each
     unpacked weight vector serves the whole block, and a row's float operations are the same
-    whatever the block, so its bits do not depend on the batch."""
+    whatever the block, so its bits do not depend on the batch.
+
+    `asym` (value q * s + mn): the accumulators start at 0 and each unit also adds mn times the
+    group's sum of the quantized x (x scale * the int8 sum, computed with the int8 values), so
+    the result is the dequantized weights times the int8-rounded x, as in the symmetric modes
+    (with the float sum of x instead, the min term would carry |w - mn| rather than |w| times
+    x's rounding: ~2.5x the error on Gaussian groups)."""
     kp = padded_k(k)
     kw, kg = kp // NIBBLES_PER_WORD, kp // GROUP_SIZE
     nb = kg // LANES  # full units of 16 groups
@@ -321,7 +376,8 @@ def gemv_q4_vnni_macro(k: int, n: int, dtype: str, bias: bool, rows: int = VNNI_
     @T.macro
     def prep_group(x, xq, xs, xo, r, g, word0, groups, e, masked):
         """Quantize group g of row r: xs = max |x| / 127, the 32 int8 values to their 8 words
-        (word0 + q * groups + e, q = 0..7) and xo = -8 * their sum."""
+        (word0 + q * groups + e, q = 0..7) and xo = -8 * their sum (`asym`: xo = xs * their
+        sum, float)."""
         sc = T.alloc_buffer((2,), F32)
         qv = T.alloc_buffer((GROUP_SIZE,), i32)
         pk = T.alloc_buffer((8,), i32)
@@ -338,7 +394,10 @@ def gemv_q4_vnni_macro(k: int, n: int, dtype: str, bias: bool, rows: int = VNNI_
         )
         for q in T.unroll(8):
             xq[r, word0 + q * groups + e] = pk[q]
-        xo[r, g] = _tree(qv[T.Ramp(0, 1, GROUP_SIZE)], GROUP_SIZE, _add) * -8
+        if asym:
+            xo[r, g] = T.Cast(F32, _tree(qv[T.Ramp(0, 1, GROUP_SIZE)], GROUP_SIZE, _add)) * xs[r, g]
+        else:
+            xo[r, g] = _tree(qv[T.Ramp(0, 1, GROUP_SIZE)], GROUP_SIZE, _add) * -8
 
     # groups [0, g4) sit in units of 16, [g4, kg4) in units of 4; contiguous loads up to kfull
     f16, m16 = min(kfull, g4), g4
@@ -366,7 +425,7 @@ def gemv_q4_vnni_macro(k: int, n: int, dtype: str, bias: bool, rows: int = VNNI_
                     )
 
     def chain(wl, xq, xo, r, g0, groups):
-        acc = xo[r, T.Ramp(g0, 1, groups)]
+        acc = T.Broadcast(T.int32(0), groups) if asym else xo[r, T.Ramp(g0, 1, groups)]
         for q in range(8):
             acc = _dpbusd(
                 acc,
@@ -376,12 +435,20 @@ def gemv_q4_vnni_macro(k: int, n: int, dtype: str, bias: bool, rows: int = VNNI_
             )
         return T.Cast(f"float32x{groups}", acc)
 
+    def unit_term(wl, sl, ml, xq, xs, xo, r, g0, groups):
+        value = chain(wl, xq, xo, r, g0, groups) * (
+            sl[T.Ramp(0, 1, groups)] * xs[r, T.Ramp(g0, 1, groups)]
+        )
+        if asym:
+            return value + ml[T.Ramp(0, 1, groups)] * xo[r, T.Ramp(g0, 1, groups)]
+        return value
+
     @T.macro
-    def unit(wl, sl, facc, xq, xs, xo, r0, nrows, g0, groups):
+    def unit(wl, sl, ml, facc, xq, xs, xo, r0, nrows, g0, groups):
         for rr in T.unroll(nrows):
-            facc[T.Ramp(rr * groups, 1, groups)] = facc[T.Ramp(rr * groups, 1, groups)] + chain(
-                wl, xq, xo, r0 + rr, g0, groups
-            ) * (sl[T.Ramp(0, 1, groups)] * xs[r0 + rr, T.Ramp(g0, 1, groups)])
+            facc[T.Ramp(rr * groups, 1, groups)] = facc[T.Ramp(rr * groups, 1, groups)] + unit_term(
+                wl, sl, ml, xq, xs, xo, r0 + rr, g0, groups
+            )
 
     def sum_lanes(buf, base, count):
         return _tree(buf[T.Ramp(base, 1, count)], count, _add)
@@ -389,9 +456,13 @@ def gemv_q4_vnni_macro(k: int, n: int, dtype: str, bias: bool, rows: int = VNNI_
     store = _store_macro(dtype, bias)
 
     @T.macro
-    def block(w, s, b, y, xq, xs, xo, wt, st, row, r0, nrows):
+    def block(w, s, mn, b, y, xq, xs, xo, wt, st, mt, row, r0, nrows):
         wl = T.alloc_buffer((8 * LANES,), "uint32")
         sl = T.alloc_buffer((LANES,), F32)
+        if asym:
+            ml = T.alloc_buffer((LANES,), F32)
+        else:
+            ml = T.meta_var(None)
         f16 = T.alloc_buffer((nrows * LANES,), F32)
         f4 = T.alloc_buffer((nrows * 4,), F32)
         for a in T.unroll(nrows):
@@ -404,17 +475,25 @@ def gemv_q4_vnni_macro(k: int, n: int, dtype: str, bias: bool, rows: int = VNNI_
             sl[T.Ramp(0, 1, LANES)] = T.Cast(
                 f"float32x{LANES}", s[row, T.Ramp(u * LANES, 1, LANES)]
             )
-            unit(wl, sl, f16, xq, xs, xo, r0, nrows, u * LANES, LANES)
+            if asym:
+                ml[T.Ramp(0, 1, LANES)] = T.Cast(
+                    f"float32x{LANES}", mn[row, T.Ramp(u * LANES, 1, LANES)]
+                )
+            unit(wl, sl, ml, f16, xq, xs, xo, r0, nrows, u * LANES, LANES)
         for u in range(n4):
             wl[T.Ramp(0, 1, 32)] = _unpack_unit(
                 [w[row, T.Ramp(g4 * WORDS_PER_GROUP + u * LANES, 1, LANES)]], 4
             )
             sl[T.Ramp(0, 1, 4)] = T.Cast("float32x4", s[row, T.Ramp(g4 + u * 4, 1, 4)])
-            unit(wl, sl, f4, xq, xs, xo, r0, nrows, g4 + u * 4, 4)
+            if asym:
+                ml[T.Ramp(0, 1, 4)] = T.Cast("float32x4", mn[row, T.Ramp(g4 + u * 4, 1, 4)])
+            unit(wl, sl, ml, f4, xq, xs, xo, r0, nrows, g4 + u * 4, 4)
         if has_part:
             wl[T.Ramp(0, 1, 32)] = _unpack_unit([wt[T.Ramp(0, 1, LANES)]], 4)
             sl[T.Ramp(0, 1, 4)] = st[T.Ramp(0, 1, 4)]
-            unit(wl, sl, f4, xq, xs, xo, r0, nrows, gp, 4)
+            if asym:
+                ml[T.Ramp(0, 1, 4)] = mt[T.Ramp(0, 1, 4)]
+            unit(wl, sl, ml, f4, xq, xs, xo, r0, nrows, gp, 4)
         for rr in range(nrows):
             if both:
                 store(
@@ -426,14 +505,18 @@ def gemv_q4_vnni_macro(k: int, n: int, dtype: str, bias: bool, rows: int = VNNI_
                 store(y, b, r0 + rr, row, sum_lanes(f4, rr * 4, 4))
 
     @T.macro
-    def vnni(x, w, s, b, y, m):
+    def vnni(x, w, s, mn, b, y, m):
         xq = T.alloc_buffer((m, kg4 * XQ_WORDS_PER_GROUP), i32)
         xs = T.alloc_buffer((m, kg4), F32)
-        xo = T.alloc_buffer((m, kg4), i32)
+        xo = T.alloc_buffer((m, kg4), F32 if asym else i32)
         prep(x, xq, xs, xo, m)
         for row in T.parallel(n):
             wt = T.alloc_buffer((LANES,), "uint32")
             st = T.alloc_buffer((4,), F32)
+            if asym:
+                mt = T.alloc_buffer((4,), F32)
+            else:
+                mt = T.meta_var(None)
             if has_part:
                 for i in range(LANES):
                     wt[i] = T.Select(
@@ -445,25 +528,32 @@ def gemv_q4_vnni_macro(k: int, n: int, dtype: str, bias: bool, rows: int = VNNI_
                     st[i] = T.Select(
                         i < part, T.Cast(F32, s[row, T.min(gp + i, kg - 1)]), T.float32(0)
                     )
+                if asym:
+                    for i in range(4):
+                        mt[i] = T.Select(
+                            i < part, T.Cast(F32, mn[row, T.min(gp + i, kg - 1)]), T.float32(0)
+                        )
             for rb in range(m // rows):
-                block(w, s, b, y, xq, xs, xo, wt, st, row, rb * rows, rows)
+                block(w, s, mn, b, y, xq, xs, xo, wt, st, mt, row, rb * rows, rows)
             if m % rows >= 4:
-                block(w, s, b, y, xq, xs, xo, wt, st, row, m - m % rows, 4)
+                block(w, s, mn, b, y, xq, xs, xo, wt, st, mt, row, m - m % rows, 4)
             if m % 4 >= 2:
-                block(w, s, b, y, xq, xs, xo, wt, st, row, m - m % 4, 2)
+                block(w, s, mn, b, y, xq, xs, xo, wt, st, mt, row, m - m % 4, 2)
             if m % 2 == 1:
-                block(w, s, b, y, xq, xs, xo, wt, st, row, m - 1, 1)
+                block(w, s, mn, b, y, xq, xs, xo, wt, st, mt, row, m - 1, 1)
 
     return vnni
 
 
 @functools.cache  # parsing the TVMScript is most of a model's export time
 def gemv_q4(
-    k: int, n: int, dtype: str, avx512: bool | str = False, bias: bool = False
+    k: int, n: int, dtype: str, avx512: bool | str = False, bias: bool = False, asym: bool = False
 ) -> tirx.PrimFunc:
     """y[m, n] = x[m, k] @ dequant(W[n, kp/8], S[n, kp/32])^T (+ b), m small (decode); kp =
     `padded_k(k)`, the stored width (columns past k are zero weights).
 
+    `asym`: the asymmetric modes' weights, value q * S + M with float16 S and M [n, kp/32] (the
+    function takes M after S); otherwise (q - 8) * S with S of `dtype`.
     `avx512`: True: unpack with a table lookup (the target must have AVX-512F;
     `common.has_avx512`); "vnni": int8 activations and VNNI dot products (`gemv_q4_vnni_macro`;
     the target must have AVX-512 VNNI, `common.has_avx512_vnni`), results within int8 rounding of
@@ -471,8 +561,10 @@ def gemv_q4(
     One row (single-sequence decode) has its own copy of the body with m = 1 known: with
     no-alias buffers LLVM schedules the short-k loops of the dynamic-m body ~1.4x slower
     (k = 512: 34 vs 24 us, Zen 4, 2 threads)."""
-    body = gemv_q4_macro(k, n, dtype, bias, avx512)
+    body = gemv_q4_macro(k, n, dtype, bias, avx512, asym)
     kw, kg = padded_k(k) // NIBBLES_PER_WORD, padded_k(k) // GROUP_SIZE
+    if asym:
+        return _gemv_q4_asym_func(body, k, n, kw, kg, dtype, bias)
 
     if bias:
 
@@ -488,9 +580,9 @@ def gemv_q4(
             x = T.match_buffer(var_x, (m, k), dtype)
             y = T.match_buffer(var_y, (m, n), dtype)
             if m == 1:
-                body(x, w, s, b, y, 1)
+                body(x, w, s, None, b, y, 1)
             else:
-                body(x, w, s, b, y, m)
+                body(x, w, s, None, b, y, m)
 
     else:
 
@@ -505,9 +597,52 @@ def gemv_q4(
             x = T.match_buffer(var_x, (m, k), dtype)
             y = T.match_buffer(var_y, (m, n), dtype)
             if m == 1:
-                body(x, w, s, None, y, 1)
+                body(x, w, s, None, None, y, 1)
             else:
-                body(x, w, s, None, y, m)
+                body(x, w, s, None, None, y, m)
+
+    return scheduled(func)
+
+
+def _gemv_q4_asym_func(body, k: int, n: int, kw: int, kg: int, dtype: str, bias: bool):
+    """`gemv_q4`'s function for the asymmetric weights: (x, w, s, mn[, b], y)."""
+    g16 = "float16"
+    if bias:
+
+        @T.prim_func(private=True)
+        def func(
+            var_x: T.handle,
+            w: T.Buffer((n, kw), "uint32"),
+            s: T.Buffer((n, kg), g16),
+            mn: T.Buffer((n, kg), g16),
+            b: T.Buffer((n,), dtype),
+            var_y: T.handle,
+        ):
+            m = T.int64()
+            x = T.match_buffer(var_x, (m, k), dtype)
+            y = T.match_buffer(var_y, (m, n), dtype)
+            if m == 1:
+                body(x, w, s, mn, b, y, 1)
+            else:
+                body(x, w, s, mn, b, y, m)
+
+    else:
+
+        @T.prim_func(private=True)
+        def func(
+            var_x: T.handle,
+            w: T.Buffer((n, kw), "uint32"),
+            s: T.Buffer((n, kg), g16),
+            mn: T.Buffer((n, kg), g16),
+            var_y: T.handle,
+        ):
+            m = T.int64()
+            x = T.match_buffer(var_x, (m, k), dtype)
+            y = T.match_buffer(var_y, (m, n), dtype)
+            if m == 1:
+                body(x, w, s, mn, None, y, 1)
+            else:
+                body(x, w, s, mn, None, y, m)
 
     return scheduled(func)
 
@@ -544,5 +679,286 @@ def gemv_f(k: int, n: int, dtype: str) -> tirx.PrimFunc:
                             F32, x[r, kv * LANES + e]
                         )
                 y[r, jo * rb + jj] = T.Cast(dtype, _sum_lanes(acc, vu))
+
+    return scheduled(func)
+
+
+def gemv_q8_macro(k: int, n: int, dtype: str, bias: bool):
+    """The 8-bit GEMV in float arithmetic (any CPU), as a macro `(x, w, s, b, y, m)` over x [m,
+    k], w [n, kp] int8, s [n, kp/32] float16, b [n] (None without `bias`) and y [m, n].
+
+    Per row of W and of x, each group of 32 is two 16-lane products of the int8 weights
+    (sign-extended and converted) with x, summed, times the group's scale into a 16-lane
+    accumulator; a group that runs past k reads x through a select (zeros past k). Rows of W in
+    blocks of 4 share each load of x; rows of x run outside, so a row's result does not depend
+    on the others. About 9 instructions per 32 weights: ~5x slower than the VNNI form on a large
+    head (SmolLM2's, 28 MB, Zen 4: 4-5 ms against 0.9 ms)."""
+    kp = padded_k(k)
+    kfull = k // GROUP_SIZE  # groups wholly inside x
+    part = kp > k  # a last group that runs past k
+    rb = divisor(n, (ROWS, 2))
+    half = GROUP_SIZE // 2
+    v16 = f"float32x{LANES}"
+
+    def half_dot(w, x, row, r, g, h, masked: bool):
+        """The 16 products of half h of group g of row `row` of W with row r of x."""
+        idx = T.Ramp(g * GROUP_SIZE + h * half, 1, half)
+        wv = T.Cast(v16, w[row, idx])
+        if not masked:
+            return wv * T.Cast(v16, x[r, idx])
+        xv = T.Select(
+            idx < T.Broadcast(k, half),
+            T.Cast(v16, x[r, T.min(idx, T.Broadcast(k - 1, half))]),
+            T.Broadcast(T.float32(0), half),
+        )
+        return wv * xv
+
+    def group_term(w, s, x, row, r, g, masked: bool):
+        return T.Broadcast(T.Cast(F32, s[row, g]), LANES) * (
+            half_dot(w, x, row, r, g, 0, masked) + half_dot(w, x, row, r, g, 1, masked)
+        )
+
+    store = _store_macro(dtype, bias)
+
+    @T.macro
+    def body(x, w, s, b, y, m):
+        for jo in T.parallel(n // rb):
+            acc = T.alloc_buffer((rb * LANES,), F32)
+            for r in range(m):
+                for jj in T.unroll(rb):
+                    acc[T.Ramp(jj * LANES, 1, LANES)] = T.Broadcast(T.float32(0), LANES)
+                for g in range(kfull):
+                    for jj in T.unroll(rb):
+                        acc[T.Ramp(jj * LANES, 1, LANES)] = acc[
+                            T.Ramp(jj * LANES, 1, LANES)
+                        ] + group_term(w, s, x, jo * rb + jj, r, g, False)
+                if part:
+                    for jj in T.unroll(rb):
+                        acc[T.Ramp(jj * LANES, 1, LANES)] = acc[
+                            T.Ramp(jj * LANES, 1, LANES)
+                        ] + group_term(w, s, x, jo * rb + jj, r, kfull, True)
+                for jj in range(rb):
+                    store(
+                        y, b, r, jo * rb + jj, _tree(acc[T.Ramp(jj * LANES, 1, LANES)], LANES, _add)
+                    )
+
+    return body
+
+
+Q8_UNIT = 16  # groups per unit of the 8-bit VNNI GEMV: 512 weight bytes, 8 vectors
+SIGN_FLIP = 0x80808080  # xor: int8 bytes -> uint8 bytes + 128
+
+
+def gemv_q8_vnni_macro(k: int, n: int, dtype: str, bias: bool, rows: int = VNNI_ROWS):
+    """The 8-bit GEMV with int8 activations and AVX-512 VNNI, as a macro `(x, w, s, b, y, m)`
+    over the buffers of `gemv_q8_macro`.
+
+    x is quantized once per call as in the 4-bit VNNI GEMV (per row and group of 32, int8 at scale
+    max |x| / 127), here in its natural order: xq word j of group g holds values 4 j .. 4 j + 3.
+    vpdpbusd multiplies unsigned by signed bytes, so the weight bytes are flipped to w + 128
+    (one xor per 64 bytes) and each accumulator lane starts at -128 times the sum of its 4 int8
+    x (xo, computed with xq): a lane then holds the exact dot product of 4 weights with 4 x.
+    One 64-byte vector is two groups (lanes 0-7 and 8-15); the lane's integer becomes float and
+    is multiplied by its group's weight scale times x scale (a unit of 16 groups loads the 16
+    weight scales once; each vector takes its two by a permute), into a 16-lane accumulator per
+    row of x. Groups left after the units of 16 go two at a time, and a last odd group in 8
+    lanes. Padding weights (past k, stored 0) meet x quantized to 0. Rows of x run in blocks of
+    `rows` sharing each loaded weight vector; a row's operations do not depend on the block."""
+    kp = padded_k(k)
+    kg = kp // GROUP_SIZE
+    kfull = k // GROUP_SIZE
+    nu = kg // Q8_UNIT  # units of 16 groups
+    nc = kg % Q8_UNIT // 2  # pairs of groups after them
+    odd = kg % 2 == 1  # a last single group
+    g_pairs = nu * Q8_UNIT  # first group of the pairs
+    g_odd = kg - 1
+    wpg = GROUP_SIZE // 4  # int32 words of a group
+    i32 = "int32"
+    v32 = f"float32x{GROUP_SIZE}"
+
+    def xgroup(x, r, g, masked: bool):
+        idx = T.Ramp(g * GROUP_SIZE, 1, GROUP_SIZE)
+        if not masked:
+            return T.Cast(v32, x[r, idx])
+        return T.Select(
+            idx < T.Broadcast(k, GROUP_SIZE),
+            T.Cast(v32, x[r, T.min(idx, T.Broadcast(k - 1, GROUP_SIZE))]),
+            T.Broadcast(T.float32(0), GROUP_SIZE),
+        )
+
+    def quad_sums(qv):
+        """int32x8: lane j = qv[4 j] + ... + qv[4 j + 3]."""
+        total = None
+        for b in range(4):
+            part = tirx.Shuffle([qv], [4 * j + b for j in range(wpg)])
+            total = part if total is None else total + part
+        return total
+
+    @T.macro
+    def prep_group(x, xq, xs, xo, r, g, masked):
+        sc = T.alloc_buffer((2,), F32)
+        qv = T.alloc_buffer((GROUP_SIZE,), i32)
+        sc[0] = _tree(T.fabs(xgroup(x, r, g, masked)), GROUP_SIZE, T.max)
+        sc[1] = T.Select(sc[0] > T.float32(0), T.float32(127) / sc[0], T.float32(0))
+        xs[r, g] = sc[0] / T.float32(127)
+        qv[T.Ramp(0, 1, GROUP_SIZE)] = T.Cast(
+            f"int32x{GROUP_SIZE}",
+            T.nearbyint(xgroup(x, r, g, masked) * T.Broadcast(sc[1], GROUP_SIZE)),
+        )
+        xq[r, T.Ramp(g * wpg, 1, wpg)] = T.reinterpret(
+            f"int32x{wpg}", T.Cast(f"int8x{GROUP_SIZE}", qv[T.Ramp(0, 1, GROUP_SIZE)])
+        )
+        xo[r, T.Ramp(g * wpg, 1, wpg)] = quad_sums(qv[T.Ramp(0, 1, GROUP_SIZE)]) * T.Broadcast(
+            T.int32(-128), wpg
+        )
+
+    @T.macro
+    def prep(x, xq, xs, xo, m):
+        for r in range(m):
+            for g in range(kfull):
+                prep_group(x, xq, xs, xo, r, g, False)
+            if kg > kfull:
+                prep_group(x, xq, xs, xo, r, kfull, True)
+
+    def wvec(w, row, byte0, lanes):
+        """`lanes` words of row `row` of W from byte byte0, as unsigned bytes w + 128."""
+        words = T.reinterpret(f"uint32x{lanes}", w[row, T.Ramp(byte0, 1, 4 * lanes)])
+        return T.bitwise_xor(words, T.Broadcast(T.uint32(SIGN_FLIP), lanes))
+
+    def dot(wl, xq, xo, r, word0, lanes):
+        return T.Cast(
+            f"float32x{lanes}",
+            _dpbusd(xo[r, T.Ramp(word0, 1, lanes)], wl, xq[r, T.Ramp(word0, 1, lanes)], lanes),
+        )
+
+    def pair_lanes(vec, g):
+        """float32x16: lanes 0-7 take vec's lane g, lanes 8-15 lane g + 1."""
+        return tirx.Shuffle([vec], [g] * 8 + [g + 1] * 8)
+
+    store = _store_macro(dtype, bias)
+
+    @T.macro
+    def block(w, s, b, y, xq, xs, xo, row, r0, nrows):
+        wl = T.alloc_buffer((8 * LANES,), "uint32")
+        sl = T.alloc_buffer((LANES,), F32)
+        cb = T.alloc_buffer((LANES,), F32)
+        f16 = T.alloc_buffer((nrows * LANES,), F32)
+        f8 = T.alloc_buffer((nrows * 8,), F32)
+        for a in T.unroll(nrows):
+            f16[T.Ramp(a * LANES, 1, LANES)] = T.Broadcast(T.float32(0), LANES)
+            f8[T.Ramp(a * 8, 1, 8)] = T.Broadcast(T.float32(0), 8)
+        for u in range(nu):
+            for v in T.unroll(8):
+                wl[T.Ramp(v * LANES, 1, LANES)] = wvec(w, row, u * 512 + v * 64, LANES)
+            sl[T.Ramp(0, 1, LANES)] = T.Cast(
+                f"float32x{LANES}", s[row, T.Ramp(u * Q8_UNIT, 1, LANES)]
+            )
+            for rr in T.unroll(nrows):
+                cb[T.Ramp(0, 1, LANES)] = sl[T.Ramp(0, 1, LANES)] * xs[
+                    r0 + rr, T.Ramp(u * Q8_UNIT, 1, LANES)
+                ]
+                for v in T.unroll(8):
+                    f16[T.Ramp(rr * LANES, 1, LANES)] = f16[T.Ramp(rr * LANES, 1, LANES)] + dot(
+                        wl[T.Ramp(v * LANES, 1, LANES)], xq, xo, r0 + rr,
+                        u * Q8_UNIT * wpg + v * LANES, LANES,
+                    ) * pair_lanes(cb[T.Ramp(0, 1, LANES)], 2 * v)
+        for c in range(nc):
+            wl[T.Ramp(0, 1, LANES)] = wvec(w, row, (g_pairs + 2 * c) * GROUP_SIZE, LANES)
+            sl[0] = T.Cast(F32, s[row, g_pairs + 2 * c])
+            sl[1] = T.Cast(F32, s[row, g_pairs + 2 * c + 1])
+            for rr in T.unroll(nrows):
+                cb[T.Ramp(0, 1, 2)] = sl[T.Ramp(0, 1, 2)] * xs[
+                    r0 + rr, T.Ramp(g_pairs + 2 * c, 1, 2)
+                ]
+                f16[T.Ramp(rr * LANES, 1, LANES)] = f16[T.Ramp(rr * LANES, 1, LANES)] + dot(
+                    wl[T.Ramp(0, 1, LANES)], xq, xo, r0 + rr, (g_pairs + 2 * c) * wpg, LANES
+                ) * pair_lanes(cb[T.Ramp(0, 1, LANES)], 0)
+        if odd:
+            wl[T.Ramp(0, 1, 8)] = wvec(w, row, g_odd * GROUP_SIZE, 8)
+            for rr in T.unroll(nrows):
+                f8[T.Ramp(rr * 8, 1, 8)] = f8[T.Ramp(rr * 8, 1, 8)] + dot(
+                    wl[T.Ramp(0, 1, 8)], xq, xo, r0 + rr, g_odd * wpg, 8
+                ) * T.Broadcast(T.Cast(F32, s[row, g_odd]) * xs[r0 + rr, g_odd], 8)
+        for rr in range(nrows):
+            if odd:
+                store(
+                    y, b, r0 + rr, row,
+                    _tree(f16[T.Ramp(rr * LANES, 1, LANES)], LANES, _add)
+                    + _tree(f8[T.Ramp(rr * 8, 1, 8)], 8, _add),
+                )
+            else:
+                store(y, b, r0 + rr, row, _tree(f16[T.Ramp(rr * LANES, 1, LANES)], LANES, _add))
+
+    @T.macro
+    def vnni(x, w, s, b, y, m):
+        xq = T.alloc_buffer((m, kg * wpg), i32)
+        xs = T.alloc_buffer((m, kg), F32)
+        xo = T.alloc_buffer((m, kg * wpg), i32)
+        prep(x, xq, xs, xo, m)
+        for row in T.parallel(n):
+            for rb in range(m // rows):
+                block(w, s, b, y, xq, xs, xo, row, rb * rows, rows)
+            if m % rows >= 4:
+                block(w, s, b, y, xq, xs, xo, row, m - m % rows, 4)
+            if m % 4 >= 2:
+                block(w, s, b, y, xq, xs, xo, row, m - m % 4, 2)
+            if m % 2 == 1:
+                block(w, s, b, y, xq, xs, xo, row, m - 1, 1)
+
+    return vnni
+
+
+@functools.cache  # parsing the TVMScript is most of a model's export time
+def gemv_q8(
+    k: int, n: int, dtype: str, avx512: bool | str = False, bias: bool = False
+) -> tirx.PrimFunc:
+    """y[m, n] = x[m, k] @ dequant(W[n, kp], S[n, kp/32])^T (+ b) for the 8-bit embedding and LM
+    head of the asymmetric modes (`quantization.quantize_q8`: int8 W, float16 S, value W * S; kp
+    = `padded_k(k)`, the padding columns 0).
+
+    `avx512`: "vnni": int8 activations and VNNI dot products (`gemv_q8_vnni_macro`; results within
+    int8 rounding of x, as the 4-bit VNNI GEMV's); anything else: float arithmetic
+    (`gemv_q8_macro`), which LLVM vectorizes for the target."""
+    if avx512 == "vnni":
+        body = gemv_q8_vnni_macro(k, n, dtype, bias)
+    else:
+        body = gemv_q8_macro(k, n, dtype, bias)
+    kp = padded_k(k)
+    kg = kp // GROUP_SIZE
+    g16 = "float16"
+    if bias:
+
+        @T.prim_func(private=True)
+        def func(
+            var_x: T.handle,
+            w: T.Buffer((n, kp), "int8"),
+            s: T.Buffer((n, kg), g16),
+            b: T.Buffer((n,), dtype),
+            var_y: T.handle,
+        ):
+            m = T.int64()
+            x = T.match_buffer(var_x, (m, k), dtype)
+            y = T.match_buffer(var_y, (m, n), dtype)
+            if m == 1:
+                body(x, w, s, b, y, 1)
+            else:
+                body(x, w, s, b, y, m)
+
+    else:
+
+        @T.prim_func(private=True)
+        def func(
+            var_x: T.handle,
+            w: T.Buffer((n, kp), "int8"),
+            s: T.Buffer((n, kg), g16),
+            var_y: T.handle,
+        ):
+            m = T.int64()
+            x = T.match_buffer(var_x, (m, k), dtype)
+            y = T.match_buffer(var_y, (m, n), dtype)
+            if m == 1:
+                body(x, w, s, None, y, 1)
+            else:
+                body(x, w, s, None, y, m)
 
     return scheduled(func)

@@ -11,8 +11,13 @@ and a sequence must get the same bits alone as batched with others. On GPUs it i
 dequantize + matmul, which FuseOps/FuseTIR merge into one kernel that dlight then schedules.
 
 A 4-bit weight whose reduction size is not a multiple of the group size is stored padded to whole
-groups with zero weights (`quantization.padded_k`); every kernel and the GPU dequantize read only
-the real columns, so the padding is invisible outside the stored layout.
+groups (`quantization.padded_k`); every kernel and the GPU dequantize read only the real columns,
+so the padding is invisible outside the stored layout.
+
+In the asymmetric modes a 4-bit weight also has a `min` parameter beside its `scale` (both
+float16), and the token embedding and the LM head are 8-bit (int8 values, a float16 scale per
+group: `quantization.quantize_q8`), run by `gemv.gemv_q8`; which layout a weight has is read
+from its parameters' dtypes, so `linear` needs no other flag.
 """
 
 from __future__ import annotations
@@ -25,12 +30,47 @@ from localchat.engine.kernels import gemv as gemv_kernels
 from localchat.engine.kernels import matmul
 from localchat.engine.quantization import GROUP_SIZE, NIBBLES_PER_WORD, QuantMode, padded_k
 
+Q8_DTYPE = "int8"  # the 8-bit layout's weight dtype (the 4-bit one's is uint32 words)
 
-def _dequant_value(words: te.Tensor, scale: te.Tensor, row, col, dtype: str) -> tirx.PrimExpr:
+
+def _dequant_value(
+    words: te.Tensor, scale: te.Tensor, row, col, dtype: str, mins: te.Tensor | None = None
+) -> tirx.PrimExpr:
+    """Weight [row, col] of a 4-bit ((q - 8) * scale, or q * scale + min given `mins`) or 8-bit
+    (int8 `words`: q * scale) matrix, as `dtype`; the asymmetric and 8-bit forms compute in
+    float32 (q * scale is exact there) and round once."""
+    group = col // GROUP_SIZE
+    if words.dtype == Q8_DTYPE:
+        value = words[row, col].astype("float32") * scale[row, group].astype("float32")
+        return value.astype(dtype)
     word = words[row, col // NIBBLES_PER_WORD]
     shift = ((col % NIBBLES_PER_WORD) * 4).astype("uint32")
     nibble = tirx.bitwise_and(tirx.shift_right(word, shift), tirx.const(15, "uint32"))
-    return (nibble.astype("int32") - 8).astype(dtype) * scale[row, col // GROUP_SIZE]
+    if mins is not None:
+        value = nibble.astype("float32") * scale[row, group].astype("float32") + mins[
+            row, group
+        ].astype("float32")
+        return value.astype(dtype)
+    return (nibble.astype("int32") - 8).astype(dtype) * scale[row, group]
+
+
+def _quantized_params(
+    rows: int, cols: int, mode: QuantMode, head: bool
+) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter | None]:
+    """(weight, scale, min) of a quantized [rows, cols] matrix in `mode`: the 8-bit layout for
+    the embedding / LM head (`head`) where the mode has one, else 4-bit (min: asymmetric only)."""
+    kp = padded_k(cols)
+    groups = kp // GROUP_SIZE
+    if head and mode.head_bits == 8:
+        return (
+            nn.Parameter((rows, kp), Q8_DTYPE),
+            nn.Parameter((rows, groups), mode.group_dtype),
+            None,
+        )
+    weight = nn.Parameter((rows, kp // NIBBLES_PER_WORD), "uint32")
+    scale = nn.Parameter((rows, groups), mode.group_dtype)
+    mins = nn.Parameter((rows, groups), mode.group_dtype) if mode.asymmetric else None
+    return weight, scale, mins
 
 
 class Linear(nn.Module):
@@ -44,24 +84,28 @@ class Linear(nn.Module):
         mode: QuantMode,
         target_kind: str,
         avx512: bool | str = False,
+        head: bool = False,
     ) -> None:
+        """`head`: this is the LM head (8-bit in the asymmetric modes)."""
         self.in_features = in_features
         self.out_features = out_features
         self.mode = mode
         self.target_kind = target_kind
         self.avx512 = avx512
         if mode.quantized:
-            kp = padded_k(in_features)
-            self.weight = nn.Parameter((out_features, kp // NIBBLES_PER_WORD), "uint32")
-            self.scale = nn.Parameter((out_features, kp // GROUP_SIZE), mode.dtype)
+            self.weight, self.scale, self.min = _quantized_params(
+                out_features, in_features, mode, head
+            )
         else:
             self.weight = nn.Parameter((out_features, in_features), mode.dtype)
             self.scale = None
+            self.min = None
         self.bias = nn.Parameter((out_features,), mode.dtype) if bias else None
 
     def forward(self, x: nn.Tensor, gemv: bool = False) -> nn.Tensor:
         return linear(
-            x, self.weight, self.scale, self.bias, self.mode, self.target_kind, self.avx512, gemv
+            x, self.weight, self.scale, self.bias, self.mode, self.target_kind, self.avx512, gemv,
+            self.min,
         )
 
 
@@ -74,19 +118,29 @@ def linear(
     target_kind: str,
     avx512: bool | str = False,
     gemv: bool = False,
+    mins: nn.Tensor | None = None,
 ) -> nn.Tensor:
     """x [..., K] times weight [N, K]^T, dispatching on target and quantization; on the CPU
-    with `gemv` in the decode GEMV (`avx512`: `kernels.common.gemv_isa` of the llvm target)."""
+    with `gemv` in the decode GEMV (`avx512`: `kernels.common.gemv_isa` of the llvm target).
+    `mins`: the group mins of an asymmetric 4-bit weight; an int8 weight is 8-bit."""
     n = weight.shape[0]
     k = x.shape[-1]
     lead = list(x.shape[:-1])
+    q8 = mode.quantized and weight.dtype == Q8_DTYPE
+    asym = mins is not None
     if target_kind == "llvm":
         rows = 1
         for d in lead:
             rows = rows * d
         x2 = op.reshape(x, (rows, k))
         func_is_gemv = gemv and (mode.quantized or bias is None)
-        if gemv and mode.quantized:
+        if q8:
+            # the LM head, always a few rows (one kernel for every step, as the 4-bit head's)
+            func_is_gemv = True
+            func = gemv_kernels.gemv_q8(int(k), int(n), mode.dtype, avx512, bias is not None)
+        elif gemv and mode.quantized and asym:
+            func = gemv_kernels.gemv_q4(int(k), int(n), mode.dtype, avx512, bias is not None, True)
+        elif gemv and mode.quantized:
             func = gemv_kernels.gemv_q4(int(k), int(n), mode.dtype, avx512, bias is not None)
         elif gemv and bias is None:
             func = gemv_kernels.gemv_f(int(k), int(n), mode.dtype)
@@ -94,14 +148,19 @@ def linear(
             # prefill too: with int8 x and VNNI the GEMV's row blocks beat the float blocked
             # kernel 2-2.5x at 128 rows, and a row's bits still do not depend on the others
             func_is_gemv = True
-            func = gemv_kernels.gemv_q4(int(k), int(n), mode.dtype, avx512, bias is not None)
+            func = gemv_kernels.gemv_q4(
+                int(k), int(n), mode.dtype, avx512, bias is not None, *([True] if asym else [])
+            )
         elif mode.quantized:
-            func = matmul.linear_q4(int(k), int(n), mode.dtype, bias is not None)
+            func = matmul.linear_q4(
+                int(k), int(n), mode.dtype, bias is not None, *([True] if asym else [])
+            )
         else:
             func = matmul.linear_f(int(k), int(n), mode.dtype, bias is not None)
         args = (
             [x2, weight]
             + ([scale] if scale is not None else [])
+            + ([mins] if mins is not None else [])
             + ([bias] if bias is not None else [])
         )
         out = op.tensor_ir_op(
@@ -111,7 +170,17 @@ def linear(
             out=nn.Tensor.placeholder((rows, n), mode.dtype),
         )
         return op.reshape(out, lead + [n])
-    if mode.quantized:
+    if mode.quantized and asym:
+        w = op.tensor_expr_op(
+            lambda words, sc, mn: te.compute(
+                (n, k),
+                lambda i, j: _dequant_value(words, sc, i, j, mode.dtype, mn),
+                name="dequantize",
+            ),
+            "dequantize",
+            args=[weight, scale, mins],
+        )
+    elif mode.quantized:
         w = op.tensor_expr_op(
             lambda words, sc: te.compute(
                 (n, k),
@@ -146,18 +215,30 @@ class Embedding(nn.Module):
         self.target_kind = target_kind
         self.avx512 = avx512
         if mode.quantized:
-            kp = padded_k(hidden_size)
-            self.weight = nn.Parameter((vocab_size, kp // NIBBLES_PER_WORD), "uint32")
-            self.scale = nn.Parameter((vocab_size, kp // GROUP_SIZE), mode.dtype)
+            # the table doubles as the LM head when tied: 8-bit in the asymmetric modes
+            self.weight, self.scale, self.min = _quantized_params(
+                vocab_size, hidden_size, mode, head=True
+            )
         else:
             self.weight = nn.Parameter((vocab_size, hidden_size), mode.dtype)
             self.scale = None
+            self.min = None
 
     def forward(self, ids: nn.Tensor) -> nn.Tensor:
         """ids [n] int32 -> [n, hidden]."""
         if not self.mode.quantized:
             return op.take(self.weight, ids, axis=0)
         hidden, dtype = self.hidden_size, self.mode.dtype
+        if self.min is not None:
+            return op.tensor_expr_op(
+                lambda words, sc, mn, idx: te.compute(
+                    (idx.shape[0], hidden),
+                    lambda i, j: _dequant_value(words, sc, idx[i], j, dtype, mn),
+                    name="embed",
+                ),
+                "embed",
+                args=[self.weight, self.scale, self.min, ids],
+            )
         return op.tensor_expr_op(
             lambda words, sc, idx: te.compute(
                 (idx.shape[0], hidden),
@@ -172,7 +253,8 @@ class Embedding(nn.Module):
         """Logits from hidden states with the embedding matrix as the output projection (in the
         decode GEMV: logits are a few rows, and always the same kernel)."""
         return linear(
-            x, self.weight, self.scale, None, self.mode, self.target_kind, self.avx512, gemv=True
+            x, self.weight, self.scale, None, self.mode, self.target_kind, self.avx512, gemv=True,
+            mins=self.min,
         )
 
 

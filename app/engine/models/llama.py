@@ -192,7 +192,9 @@ class LlamaForCausalLM(nn.Module):
         avx512 = gemv_isa(target)  # which decode GEMV: VNNI int8, table lookup or generic
         self.model = LlamaModel(cfg, mode, tk, avx512)
         if not cfg.tie_word_embeddings:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, mode, tk, avx512)
+            self.lm_head = Linear(
+                cfg.hidden_size, cfg.vocab_size, False, mode, tk, avx512, head=True
+            )
 
     def _logits(self, h: nn.Tensor) -> nn.Tensor:
         if self.cfg.tie_word_embeddings:

@@ -252,7 +252,7 @@ class Rwkv4ForCausalLM(nn.Module):
             [Block(cfg, mode, tk, self.avx512) for _ in range(cfg.num_hidden_layers)]
         )
         self.ln_out = nn.LayerNorm(h, cfg.layer_norm_epsilon, dtype=mode.dtype)
-        self.head = Linear(h, cfg.vocab_size, False, mode, tk, self.avx512)
+        self.head = Linear(h, cfg.vocab_size, False, mode, tk, self.avx512, head=True)
 
     def _forward(self, x: nn.Tensor, ends: nn.Tensor, state: RnnState, gemv: bool = False):
         """x [n, h] holding B sequences ending at `ends` -> logits [B, vocab] (float32).
