@@ -1,15 +1,18 @@
 """Benchmark: `localchat serve` under 1, 4 and 16 concurrent streaming clients, beside
 llama-cpp-python's OpenAI server on the same GGUF (SmolLM2-135M-Instruct).
 
-One load generator (httpx, asyncio) sends N concurrent streaming chat requests of 128 output
+One load generator (asyncio) sends N concurrent streaming chat requests of 128 output
 tokens each (EOS banned with logit_bias so every reply has the same length) and reports the
-aggregate output tok/s, p50 and p95 time to first token and p50 inter-token latency. The
+aggregate output tok/s, p50 and p95 time to first token and p50 inter-token latency. It reads
+the streams over plain HTTP/1.1 connections (`--client raw`, the default) because on a small
+machine the load generator's own CPU per token is taken from the server it measures: httpx
+(`--client httpx`) costs about twice as much per chunk. Both servers get the same client. The
 single-stream baseline is the engine in-process (what `localchat run` does). Each row is
 the best of --repeat rounds after a warm-up at its width (the machine may be shared). Targets: at 16
 streams >= 4x llama-cpp-python's aggregate throughput; at 1 stream within 10% of `run`.
 
     python bench/bench_serve.py [--quant q4f32_1] [--streams 1 4 16] [--threads 2]
-                                [--repeat 3] [--skip-llama-cpp]
+                                [--repeat 3] [--client raw|httpx] [--skip-llama-cpp]
 
 llama-cpp-python's server needs its `server` extra (pip install 'llama-cpp-python[server]');
 without it its rows print "-".
@@ -28,6 +31,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -60,37 +65,92 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 1800) -> None:
     raise RuntimeError("server did not start")
 
 
-async def one_stream(client: httpx.AsyncClient, model: str, prompt: str) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}],
+def request_body(model: str, prompt: str) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": prompt}],
             "max_tokens": OUTPUT_TOKENS, "temperature": 0, "stream": True,
             "logit_bias": {str(EOS): -100}}
+
+
+def content_stamps(lines: list[bytes], stamps: list[float]) -> None:
+    """A time stamp for each SSE chunk among `lines` that carries content."""
+    for line in lines:
+        if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+            continue
+        for choice in json.loads(line[6:]).get("choices", []):
+            if choice.get("delta", {}).get("content"):
+                stamps.append(time.perf_counter())
+
+
+async def httpx_stream(client: httpx.AsyncClient, url: str, model: str, prompt: str) -> dict:
     start = time.perf_counter()
     stamps: list[float] = []
-    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+    async with client.stream("POST", f"{url}/v1/chat/completions",
+                             json=request_body(model, prompt)) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            for choice in chunk.get("choices", []):
-                if choice.get("delta", {}).get("content"):
-                    stamps.append(time.perf_counter())
+            content_stamps([line.encode()], stamps)
     return {"start": start, "stamps": stamps}
 
 
-async def load(url: str, model: str, streams: int, repeat: int) -> dict:
+async def raw_stream(client: None, url: str, model: str, prompt: str) -> dict:
+    """One streamed request on its own HTTP/1.1 connection, chunked or not."""
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    start = time.perf_counter()
+    reader, writer = await asyncio.open_connection(host, port)
+    payload = json.dumps(request_body(model, prompt)).encode()
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s:%d\r\n"
+                 b"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
+                 b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
+                 % (host.encode(), port, len(payload), payload))
+    await writer.drain()
+    status = await reader.readline()
+    if status.split()[1:2] != [b"200"]:
+        raise RuntimeError(f"HTTP status {status.decode(errors='replace').strip()}")
+    chunked = False
+    while (header := await reader.readline()) not in (b"\r\n", b""):
+        name, _, value = header.partition(b":")
+        chunked |= name.strip().lower() == b"transfer-encoding" and b"chunked" in value.lower()
+    stamps: list[float] = []
+    rest = b""
+    while True:
+        if chunked:
+            size = int((await reader.readline()).split(b";")[0], 16)
+            data = (await reader.readexactly(size + 2))[:-2] if size else b""
+        else:
+            data = await reader.read(65536)
+        if not data:
+            break
+        *lines, rest = (rest + data).split(b"\n")
+        content_stamps(lines, stamps)
+    writer.close()
+    return {"start": start, "stamps": stamps}
+
+
+async def load(url: str, model: str, streams: int, repeat: int, client_kind: str) -> dict:
     """`streams` concurrent streams, warmed up at that width, then the best of `repeat`
     rounds (the machine is shared: the best round is the one least disturbed)."""
     limits = httpx.Limits(max_connections=streams + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
-        await asyncio.gather(*(one_stream(client, model, "Hi") for _ in range(streams)))
+    stream = raw_stream if client_kind == "raw" else httpx_stream
+    async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
+        c = client if client_kind == "httpx" else None
+        await asyncio.gather(*(stream(c, url, model, "Hi") for _ in range(streams)))
         rounds = []
         for _ in range(repeat):
             t0 = time.perf_counter()
-            runs = await asyncio.gather(*(one_stream(client, model, PROMPTS[i % len(PROMPTS)])
+            runs = await asyncio.gather(*(stream(c, url, model, PROMPTS[i % len(PROMPTS)])
                                           for i in range(streams)))
             rounds.append(_summary(streams, runs, time.perf_counter() - t0))
     return max(rounds, key=lambda r: r["tok_s"])
+
+
+def run_async(coro: Any) -> Any:
+    """Run a coroutine on uvloop where it is installed (a lighter load generator)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 def _summary(streams: int, runs: list[dict], wall: float) -> dict:
@@ -156,11 +216,11 @@ def serve_llama_cpp(gguf: Path, threads: int) -> tuple[subprocess.Popen, str, st
 
 
 def measure(proc: subprocess.Popen, url: str, model: str, streams: list[int],
-            repeat: int) -> list[dict]:
+            repeat: int, client_kind: str) -> list[dict]:
     try:
         # llama_cpp.server has no /health: it is ready once it lists its model.
         _wait_models(url, proc) if model.endswith(".gguf") else wait_ready(url, proc)
-        return [asyncio.run(load(url, model, n, repeat)) for n in streams]
+        return [run_async(load(url, model, n, repeat, client_kind)) for n in streams]
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -186,6 +246,8 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3, help="rounds per row (best kept)")
+    parser.add_argument("--client", choices=["raw", "httpx"], default="raw",
+                        help="the load generator's HTTP client (default: raw, the lightest)")
     parser.add_argument("--skip-llama-cpp", action="store_true")
     args = parser.parse_args()
 
@@ -194,7 +256,7 @@ def main() -> None:
     model_dir = converted(smollm2_hf_dir(), args.quant)
     run_tok_s = localchat_run_tok_s(model_dir, args.repeat)
     ours = measure(*serve_localchat(model_dir, max(args.streams)), args.streams,
-                   args.repeat)
+                   args.repeat, args.client)
     theirs: list[dict] | None = None
     if not args.skip_llama_cpp:
         try:
@@ -203,11 +265,11 @@ def main() -> None:
             print("llama-cpp-python[server] is not installed: its rows print \"-\"")
         else:
             theirs = measure(*serve_llama_cpp(smollm2_gguf(), args.threads), args.streams,
-                             args.repeat)
+                             args.repeat, args.client)
 
     print(f"\nSmolLM2-135M, {OUTPUT_TOKENS} output tokens per stream; localchat {args.quant}; "
           f"`localchat run` single stream: {run_tok_s:.1f} tok/s; best of {args.repeat} "
-          f"rounds per row")
+          f"rounds per row; {args.client} client")
     head = f"{'streams':>7} | {'server':<16} | {'tok/s':>8} | {'TTFT p50':>9} | " \
            f"{'TTFT p95':>9} | {'ITL p50':>8} | ratio"
     print(head)

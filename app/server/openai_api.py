@@ -40,6 +40,7 @@ from localchat.server.tools import (
 router = APIRouter()
 log = logging.getLogger("localchat.server")
 FINGERPRINT = "fp_localchat"
+_SPLICE = "\x00localchat-text\x00"  # stands for a delta's text in a serialized chunk
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -350,6 +351,20 @@ async def chat_chunks(events: AsyncIterator[tuple[int, TokenEvent | FinishEvent]
                                logprobs=p.ChoiceLogprobs(content=lps) if lps is not None else None)
         return sse(p.ChatCompletionChunk(**base, choices=[choice]), drop_none=("usage",))
 
+    # A plain text delta is most chunks: it is spliced into the chunk serialized once per
+    # choice, the same bytes as `chunk` makes, at a fraction of the cost (on a small CPU each
+    # token's serving work is taken from the decoding threads).
+    templates: dict[int, tuple[str, str]] = {}
+
+    def text_chunk(index: int, text: str) -> str:
+        if index not in templates:
+            head, mark, tail = chunk(index, p.Delta(content=_SPLICE)).partition(
+                json.dumps(_SPLICE, ensure_ascii=False))
+            assert mark, "the text's place in a serialized chunk"
+            templates[index] = head, tail
+        head, tail = templates[index]
+        return head + json.dumps(text, ensure_ascii=False) + tail
+
     choices = [Choice(i) for i in range(n)]
     pending: list[list[p.TokenLogprob]] = [[] for _ in range(n)]
     sent = [0] * n  # characters of each choice's text sent as content (with tool calls)
@@ -370,8 +385,8 @@ async def chat_chunks(events: AsyncIterator[tuple[int, TokenEvent | FinishEvent]
                         pending[i] = []
                     continue
                 if event.text:
-                    yield chunk(i, p.Delta(content=event.text),
-                                lps=pending[i] if logprobs else None)
+                    yield (chunk(i, p.Delta(content=event.text), lps=pending[i]) if logprobs
+                           else text_chunk(i, event.text))
                     pending[i] = []
                 continue
             choices[i].finish = event
