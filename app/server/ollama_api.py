@@ -8,6 +8,7 @@ import hashlib
 import json
 import logging
 import re
+import threading
 import time
 from collections.abc import AsyncIterator
 from datetime import datetime, timezone
@@ -370,25 +371,38 @@ async def version() -> JSONResponse:
     return JSONResponse({"version": __version__})
 
 
-class _QueueProgress:
-    """A DownloadProgress that forwards pull progress to the event loop as status lines."""
+class _ClientGone(Exception):
+    """The client of a pull went away: the download stops (the next pull resumes it)."""
 
-    def __init__(self, put: Any) -> None:
+
+class _QueueProgress:
+    """A DownloadProgress that forwards pull progress to the event loop as status lines, and
+    stops the download once `gone` is set."""
+
+    def __init__(self, put: Any, gone: threading.Event) -> None:
         self.put = put
+        self.gone = gone
         self.sizes: dict[str, int | None] = {}
         self.done: dict[str, int] = {}
 
+    def _check(self) -> None:
+        if self.gone.is_set():
+            raise _ClientGone("the client went away")
+
     def begin(self, files: Any, done_bytes: int) -> None:
         self.sizes = dict(files)
+        self._check()
 
     def file_begin(self, path: str, size: int | None, done: int) -> None:
         self.sizes[path] = size
         self.done[path] = done
         self._emit(path)
+        self._check()
 
     def advance(self, path: str, nbytes: int) -> None:
         self.done[path] = self.done.get(path, 0) + nbytes
         self._emit(path)
+        self._check()
 
     def file_end(self, path: str) -> None:
         size = self.sizes.get(path)
@@ -415,14 +429,19 @@ async def pull(request: Request) -> Response:
         raise InvalidRequestError("model is required", "model")
     from localchat.downloader.pull import engine_hooks, parse_source
     from localchat.downloader.pull import pull as run_pull
+    from localchat.recipes import QUANT_RE
 
     ref = body.ref
     if ref.startswith((".", "/", "~")):
         raise ModelNotFoundError(f"the model {ref!r} cannot be pulled over the API: name a "
                                  f"model or a hub repo")
-    parse_source(ref)  # an unknown name is a 404 before anything streams
+    name, _, quant = ref.rpartition(":")
+    if not (name and QUANT_RE.match(quant)):  # `name:quant` picks (or compiles) that one
+        name, quant = ref, ""
+    parse_source(name)  # an unknown name is a 404 before anything streams
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+    gone = threading.Event()
 
     def put(line: dict[str, Any] | None) -> None:
         loop.call_soon_threadsafe(queue.put_nowait, line)
@@ -432,11 +451,14 @@ async def pull(request: Request) -> Response:
         try:
             store = state.pool.store
             hooks = engine_hooks(state.config.device, store, lambda m: put({"status": m}))
-            result = run_pull(ref, hooks=hooks, store=store, progress=_QueueProgress(put),
+            result = run_pull(name, hooks=hooks, store=store, quantization=quant or None,
+                              progress=_QueueProgress(put, gone),
                               log=lambda m: put({"status": m}))
             put({"status": "writing manifest"})
             put({"status": result.summary()})
             put({"status": "success"})
+        except _ClientGone:
+            log.info("pull of %s stopped: its client went away", ref)
         except LocalchatError as exc:
             put({"error": str(exc)})
         except Exception as exc:  # noqa: BLE001 - reported to the client, the server goes on
@@ -447,9 +469,12 @@ async def pull(request: Request) -> Response:
     task = loop.run_in_executor(None, work)
 
     async def lines() -> AsyncIterator[str]:
-        while (line := await queue.get()) is not None:
-            yield json.dumps(line) + "\n"
-        await task
+        try:
+            while (line := await queue.get()) is not None:
+                yield json.dumps(line) + "\n"
+            await task
+        finally:  # ended, or the client went away: a download still running stops
+            gone.set()
 
     if body.stream is False:
         last: dict[str, Any] = {}
@@ -459,3 +484,25 @@ async def pull(request: Request) -> Response:
                 raise LocalchatError(last["error"])
         return JSONResponse({"status": last.get("status", "success")})
     return StreamingResponse(lines(), media_type=NDJSON)
+
+
+@router.delete("/delete")
+async def delete(request: Request) -> Response:
+    """Delete a stored model (`name` deletes every quantization, `name:quant` one); a loaded
+    copy is unloaded first, cancelling its running replies."""
+    state = state_of(request)
+    body = p.OllamaModelRequest.model_validate_json(await read_body(request))
+    if not body.ref:
+        raise InvalidRequestError("model is required", "model")
+    pool = state.pool
+    matches = pool.store.find(body.ref)
+    if not matches:
+        raise ModelNotFoundError(f"model {body.ref!r} not found")
+    paths = {m.path for m in matches}
+    for loaded in list(pool.loaded.values()):
+        if loaded.path in paths:
+            await pool.unload(loaded)
+    pool.forget(paths)
+    await asyncio.to_thread(pool.store.remove, body.ref)
+    log.info("deleted %s", ", ".join(m.ref for m in matches))
+    return Response(status_code=200)

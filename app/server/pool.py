@@ -87,6 +87,10 @@ class ModelPool:
         hint = f" Did you mean: {', '.join(near)}?" if near else ""
         raise ModelNotFoundError(f"the model {ref!r} does not exist.{hint}", suggestions=near)
 
+    def forget(self, paths: set[Path]) -> None:
+        """Drop the names resolved to `paths` (models being deleted)."""
+        self._resolved = {k: v for k, v in self._resolved.items() if v[1] not in paths}
+
     # -- loading -------------------------------------------------------------------------------
     async def preload(self, ref: str) -> LoadedModel:
         """Load a command-line model (a store reference or a model directory)."""

@@ -152,6 +152,17 @@ class LocalChatModel:
         self.engine.close()
 
 
+def recipe_catalog() -> list[CatalogEntry]:
+    """The recipes: the models `pull` knows by name."""
+    from localchat.recipes import all_recipes
+
+    return [
+        CatalogEntry(r.name, r.display_name, r.architecture, r.description, r.license,
+                     r.download_mb, r.disk_mb, r.repo)
+        for r in sorted(all_recipes().values(), key=lambda r: r.name)
+    ]
+
+
 class LocalBackend:
     """The engine in this process, over the store at `home` (default: LOCALCHAT_HOME or the
     platform dirs), on `device`."""
@@ -181,13 +192,7 @@ class LocalBackend:
         return out
 
     def catalog(self) -> list[CatalogEntry]:
-        from localchat.recipes import all_recipes
-
-        return [
-            CatalogEntry(r.name, r.display_name, r.architecture, r.description, r.license,
-                         r.download_mb, r.disk_mb, r.repo)
-            for r in sorted(all_recipes().values(), key=lambda r: r.name)
-        ]
+        return recipe_catalog()
 
     def recommended(self) -> str:
         return RECOMMENDED

@@ -3,7 +3,9 @@ URL`. `RemoteBackend` lists models with `GET /v1/models` and `RemoteChatModel` s
 from `POST /v1/chat/completions`, handing the screens the same `ReplyStream` of `TokenEvent`s and
 one `FinishEvent` the in-process engine gives them. Timings are measured here, on the client;
 token counts come from the server's `usage`. Pulling, deleting and compiling are not part of the
-OpenAI API, so they raise `NotAvailableRemotely` with a message saying where to do them.
+OpenAI API: they go through the Ollama API (`/api/pull` streaming its progress, `/api/delete`)
+where the server has it, as `localchat serve` and Ollama do; elsewhere they raise
+`NotAvailableRemotely` with a message saying where to do them.
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ import httpx
 
 from localchat.engine.stream import FinishEvent, Reply, ReplyStats, ReplyStream, TokenEvent
 from localchat.errors import LocalchatError, ModelNotFoundError
-from localchat.tui.backend import RECOMMENDED, CatalogEntry, Log, ModelInfo
+from localchat.tui.backend import (
+    RECOMMENDED,
+    CatalogEntry,
+    Log,
+    ModelInfo,
+    PullCancelled,
+    recipe_catalog,
+)
 from localchat.tui.settings import ChatSettings
 
 if TYPE_CHECKING:
@@ -41,7 +50,7 @@ class ServerError(LocalchatError):
 
 
 class NotAvailableRemotely(LocalchatError):
-    """A store action (pull, delete, compile) that the OpenAI API does not offer."""
+    """A store action (pull, delete, compile) that the server does not offer."""
 
 
 def error_message(response: httpx.Response) -> str:
@@ -211,8 +220,6 @@ class RemoteChatModel:
 class RemoteBackend:
     """The models of the server at `url`, with `api_key` sent as a Bearer token."""
 
-    manages_store = False
-
     def __init__(self, url: str, api_key: str | None = None, *,
                  transport: httpx.BaseTransport | None = None) -> None:
         parts = urlsplit(url if "://" in url else f"http://{url}")
@@ -220,6 +227,8 @@ class RemoteBackend:
             raise ServerError(f"--server must be an http(s) URL like http://127.0.0.1:8000, "
                               f"got {url!r}")
         self.url = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
+        # whether pull and delete work here: learnt off the UI thread by `check`
+        self.manages_store = False
         self.where = parts.netloc
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(
@@ -265,9 +274,18 @@ class RemoteBackend:
         data = body.get("data") if isinstance(body, dict) else None
         if not isinstance(data, list):
             raise ServerError(f"{self.url}/v1/models is not an OpenAI model list")
+        self._probe_store()
         return [str(m.get("id")) for m in data if isinstance(m, dict) and m.get("id")]
 
     # Backend ---------------------------------------------------------------------------------
+    def _probe_store(self) -> None:
+        """Learn whether the server pulls and deletes models: it has the Ollama API."""
+        try:
+            body = self.request("GET", "/api/version")
+        except ServerError:
+            body = None
+        self.manages_store = isinstance(body, dict) and isinstance(body.get("version"), str)
+
     def _tags(self) -> dict[str, dict[str, Any]]:
         # localchat's Ollama API adds sizes and architectures; another server may lack it
         try:
@@ -294,7 +312,8 @@ class RemoteBackend:
         return out
 
     def catalog(self) -> list[CatalogEntry]:
-        return []  # pulling is not available over the API: no catalog to pull from
+        # the recipe names a localchat server pulls by; nothing where it cannot pull
+        return recipe_catalog() if self.manages_store else []
 
     def recommended(self) -> str:
         return RECOMMENDED
@@ -326,11 +345,103 @@ class RemoteBackend:
             f"it on the server's machine, e.g. `localchat {what.split()[0]} NAME`")
 
     def remove(self, ref: str) -> None:
-        raise self._unavailable("rm (deleting a model)")
+        if not self.manages_store:
+            raise self._unavailable("rm (deleting a model)")
+        self.request_empty("DELETE", "/api/delete", json={"model": ref})
+
+    def request_empty(self, method: str, path: str, **kwargs: Any) -> None:
+        """A request whose success has no body; ServerError with the server's message."""
+        try:
+            response = self._client.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise self._unreachable(exc) from None
+        if response.status_code >= 400:
+            raise ServerError(error_message(response), response.status_code)
 
     def pull(self, ref: str, *, progress: DownloadProgress, stage: Callable[[str], None],
              log: Log, cancelled: Callable[[], bool]) -> str:
-        raise self._unavailable("pull (downloading or compiling a model)")
+        """Pull on the server (`/api/pull`), its progress lines reported as ours. Cancelling
+        closes the stream: the server stops the download, and the next pull resumes it."""
+        if not self.manages_store:
+            raise self._unavailable("pull (downloading or compiling a model)")
+        stage("prepare")
+        tracker = _PullLines(progress, stage, log)
+        response = self.stream("POST", "/api/pull", json={"model": ref, "stream": True})
+        try:
+            for line in response.iter_lines():
+                if cancelled():
+                    raise PullCancelled(f"pull of {ref} cancelled")
+                if line.strip():
+                    tracker.take(json.loads(line))
+        except httpx.HTTPError as exc:
+            raise ServerError(f"the server's pull of {ref} broke off: {exc}") from None
+        except ValueError:
+            raise ServerError(f"{self.url}/api/pull did not answer NDJSON") from None
+        finally:
+            response.close()
+            tracker.end()
+        if not tracker.succeeded:
+            raise ServerError(f"the server's pull of {ref} ended without success")
+        return tracker.summary or f"pulled {ref} on the server"
 
     def close(self) -> None:
         self._client.close()
+
+
+class _PullLines:
+    """Ollama pull progress lines (`{"status", "digest", "total", "completed"}`) turned into
+    the stages and per-file progress a local pull reports."""
+
+    def __init__(self, progress: DownloadProgress, stage: Callable[[str], None],
+                 log: Log) -> None:
+        self.progress, self.stage, self.log = progress, stage, log
+        self.files: dict[str, int] = {}  # bytes reported so far per file
+        self.ended: set[str] = set()
+        self.stages: list[str] = []
+        self.summary = ""
+        self.succeeded = False
+        self.downloading = False
+
+    def _enter(self, stage: str) -> None:
+        if not self.stages or self.stages[-1] != stage:
+            self.stages.append(stage)
+            self.stage(stage)
+
+    def take(self, line: dict[str, Any]) -> None:
+        """Report one progress line; a line with an error raises it."""
+        if line.get("error"):
+            raise ServerError(f"the server's pull failed: {line['error']}")
+        status = str(line.get("status") or "")
+        path, done = line.get("digest"), line.get("completed")
+        if isinstance(path, str) and isinstance(done, int):
+            self._file(path, line.get("total"), done)
+        elif status == "success":
+            self.succeeded = True
+        elif status.startswith("converting to "):
+            self._enter(f"convert to {status.removeprefix('converting to ')}")
+        elif status.startswith("compiling for "):
+            self._enter(f"compile for {status.removeprefix('compiling for ')}")
+        elif status and status not in ("pulling manifest", "verifying sha256 digest",
+                                       "writing manifest"):
+            self.summary = status  # the last free-form line is the pull's summary
+            self.log(status)
+
+    def _file(self, path: str, total: Any, done: int) -> None:
+        size = total if isinstance(total, int) else None
+        if not self.downloading:
+            self.downloading = True
+            self._enter("download")
+        if path not in self.files:
+            self.files[path] = done
+            self.progress.begin([(path, size)], done)
+            self.progress.file_begin(path, size, done)
+        if done != self.files[path]:
+            self.progress.advance(path, done - self.files[path])
+            self.files[path] = done
+        if size is not None and done >= size and path not in self.ended:
+            self.ended.add(path)
+            self.progress.file_end(path)
+
+    def end(self) -> None:
+        if self.downloading:
+            self.progress.end()

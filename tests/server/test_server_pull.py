@@ -98,3 +98,22 @@ def test_ollama_client_pulls_through_the_server(pull_server: Server, hub: HubSer
 
     again = list(client.pull(NAME, stream=True))  # already there: nothing fetched again
     assert again[-1].status == "success"
+
+
+def test_ollama_client_deletes_a_loaded_model(pull_server: Server) -> None:
+    """`/api/delete` (after the pull above): the model is unloaded, then gone from the store
+    and the lists; deleting it again is a 404 with Ollama's error shape."""
+    client = ollama.Client(host=pull_server.url, timeout=600)
+    if not client.list().models:  # run alone: pull it first
+        assert list(client.pull(NAME, stream=True))[-1].status == "success"
+    client.generate(model=NAME, prompt="hi", options={"num_predict": 1})  # loaded
+    assert [m.model for m in client.ps().models] == [f"{NAME}:{QUANT}"]
+    client.delete(NAME)
+    assert client.list().models == [] and client.ps().models == []
+    assert not any((pull_server.home / "models").glob("*/*/localchat-config.json"))
+    with pytest.raises(ollama.ResponseError) as err:
+        client.delete(NAME)
+    assert err.value.status_code == 404 and "not found" in err.value.error
+    r = httpx.request("DELETE", f"{pull_server.url}/api/delete", json={})
+    assert r.status_code == 400 and r.json() == {"error": "model is required"}
+    assert httpx.get(f"{pull_server.url}/health").status_code == 200

@@ -2,8 +2,8 @@
 serves the real SmolLM2-135M-Instruct (the server tests' own helpers start it, with an API key)
 and Textual's Pilot drives the app through `RemoteBackend`: the served model listed, a streamed
 reply with client-side stats, Esc stopping it with the partial text kept, a server error shown
-as one line, store actions refused with a message; the conversation's settings sent as the
-request's fields (the extensions too: top_k is seen to act); and `localchat --server` at
+as one line (pulling and deleting through it: test_tui_pull.py); the conversation's settings
+sent as the request's fields (the extensions too: top_k is seen to act); and `localchat --server` at
 launch: a clear error for an unreachable server or a wrong key, the key taken from
 LOCALCHAT_API_KEY."""
 
@@ -54,32 +54,22 @@ def backend(server: Server) -> Iterator[RemoteBackend]:
     b.close()
 
 
-def toasts(app: LocalchatApp) -> str:
-    """The text of the app's live notifications (headless runs draw no toasts to query)."""
-    return " ".join(n.message for n in app._notifications)
-
-
 @pytest.mark.asyncio
-async def test_the_served_model_is_listed_and_store_actions_say_why_not(
+async def test_the_served_model_is_listed_beside_the_catalog_the_server_pulls_from(
         home: Path, backend: RemoteBackend) -> None:
     app = LocalchatApp(backend=backend)
     async with app.run_test(size=SIZE) as pilot:
         screen = app.screen
         assert isinstance(screen, ModelsScreen)
         await wait_for(pilot, lambda: screen.loaded, what="the model list")
+        assert backend.manages_store  # localchat serve has the Ollama API: pull and delete
         table = screen.query_one(DataTable)
-        assert table.row_count == 1  # no catalog: nothing can be pulled over the API
         row = table.get_row_at(0)
         assert row[0] == MODEL_REF and row[1] == "installed"
         assert row[2] == "llama" and row[5].endswith(" MB")  # from the server's /api/tags
+        assert table.row_count > 1 and table.get_row_at(1)[1] != "installed"  # the catalog
         assert not screen.query_one("#welcome").display
-        await pilot.press("p")
-        await wait_for(pilot, lambda: "pull is not available over --server" in toasts(app),
-                       what="the pull refusal")
-        await pilot.press("d")
-        await wait_for(pilot, lambda: "rm is not available over --server" in toasts(app),
-                       what="the delete refusal")
-        assert app.screen is screen and not app.jobs  # nothing was asked, queued or deleted
+        table.move_cursor(row=0)
         await pilot.press("enter")  # an installed model: a chat over the server
         chat = await chat_ready(pilot, app)
         assert chat.model is not None and chat.model.name == MODEL_REF
