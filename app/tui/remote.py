@@ -240,13 +240,16 @@ class RemoteBackend:
         return ServerError(f"cannot reach the server at {self.url}: {exc or type(exc).__name__}")
 
     def request(self, method: str, path: str, **kwargs: Any) -> Any:
-        """A JSON request; its decoded body, or ServerError with the server's message."""
+        """A JSON request; its decoded body (None when empty), or ServerError with the server's
+        message."""
         try:
             response = self._client.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
             raise self._unreachable(exc) from None
         if response.status_code >= 400:
             raise ServerError(error_message(response), response.status_code)
+        if not response.content:
+            return None
         try:
             return response.json()
         except ValueError:
@@ -347,16 +350,7 @@ class RemoteBackend:
     def remove(self, ref: str) -> None:
         if not self.manages_store:
             raise self._unavailable("rm (deleting a model)")
-        self.request_empty("DELETE", "/api/delete", json={"model": ref})
-
-    def request_empty(self, method: str, path: str, **kwargs: Any) -> None:
-        """A request whose success has no body; ServerError with the server's message."""
-        try:
-            response = self._client.request(method, path, **kwargs)
-        except httpx.HTTPError as exc:
-            raise self._unreachable(exc) from None
-        if response.status_code >= 400:
-            raise ServerError(error_message(response), response.status_code)
+        self.request("DELETE", "/api/delete", json={"model": ref})
 
     def pull(self, ref: str, *, progress: DownloadProgress, stage: Callable[[str], None],
              log: Log, cancelled: Callable[[], bool]) -> str:
