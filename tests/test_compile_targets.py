@@ -25,7 +25,7 @@ def _model(quant: str):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
-@pytest.mark.parametrize("quant", ["q4f16_1", "q0f16"])
+@pytest.mark.parametrize("quant", ["q4f16_1", "q0f16", "q4f16_asym"])
 def test_cuda_library_cross_compiles(tmp_path: Path, quant: str) -> None:
     arch, cfg, mode = _model(quant)
     lib = compile_library(arch, cfg, mode, cuda_target("sm_80"), tmp_path)

@@ -144,8 +144,10 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
         .reshape(w.shape)
 
 
-def write_llama_gguf(hf_dir: Path, path: Path, qtype: str = "F32") -> Path:
-    """A GGUF of an HF Llama folder, written as llama.cpp's converter lays it out."""
+def write_llama_gguf(hf_dir: Path, path: Path, qtype: str = "F32",
+                     embed_qtype: str | None = None) -> Path:
+    """A GGUF of an HF Llama folder, written as llama.cpp's converter lays it out; matrices in
+    `qtype`, the token embedding in `embed_qtype` (default: `qtype`)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -176,7 +178,6 @@ def write_llama_gguf(hf_dir: Path, path: Path, qtype: str = "F32") -> Path:
     w.add_eos_token_id(1)
     w.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     names = {v: k for k, v in lg._GLOBAL_TENSORS.items()}
-    qt = getattr(gguf.GGMLQuantizationType, qtype)
     for name, value in weights.items():
         if name in names:
             gname = names[name]
@@ -189,6 +190,8 @@ def write_llama_gguf(hf_dir: Path, path: Path, qtype: str = "F32") -> Path:
             value = llama_cpp_permute(value, heads)
         elif gname.endswith("attn_k.weight"):
             value = llama_cpp_permute(value, kv)
+        kind = embed_qtype if gname == "token_embd.weight" and embed_qtype else qtype
+        qt = getattr(gguf.GGMLQuantizationType, kind)
         if value.ndim == 2 and qt != gguf.GGMLQuantizationType.F32:
             w.add_tensor(gname, gguf.quants.quantize(value, qt), raw_dtype=qt)
         else:
@@ -333,6 +336,69 @@ def _gguf_with_architecture(path: Path, arch: str) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def test_q4_1_gguf_defaults_to_q4f32_asym_which_holds_it_exactly(tiny: Path,
+                                                                  tmp_path: Path) -> None:
+    """A Q4_1 file as llama.cpp writes them (matrices Q4_1, the embedding Q8_0): on the CPU, a
+    pull without --quant converts it to q4f32_asym (on a GPU, or with --quant, as asked), and
+    the model directory holds every weight of the file exactly."""
+    import tvm
+    import tvm.contrib.tvmjs as tvmjs
+
+    from localchat.downloader.pull import EngineHooks, pull
+    from localchat.engine import build
+    from localchat.engine.quantization import dequantize_q4, dequantize_q8
+    from localchat.prebuilt import PrebuiltIndex
+    from localchat.store import Store
+
+    path = write_llama_gguf(tiny, tmp_path / "tiny-q4_1.gguf", "Q4_1", embed_qtype="Q8_0")
+    assert build.gguf_default_quantization(path, "cpu") == "q4f32_asym"
+    assert build.gguf_default_quantization(path, "gpu") is None
+    q8 = write_llama_gguf(tiny, tmp_path / "tiny-q8.gguf", "Q8_0")
+    assert build.gguf_default_quantization(q8, "cpu") is None
+
+    asked = []
+
+    class Stop(Exception):
+        pass
+
+    def convert(source: Path, output_dir: Path, quantization: str, **kwargs: object) -> None:
+        asked.append(quantization)
+        raise Stop
+
+    store = Store(tmp_path / "home")
+    for kind, quant in (("cpu", None), ("gpu", None), ("cpu", "q4f32_1")):
+        hooks = EngineHooks(convert=convert, device_kind=kind, inspect_gguf=lg.inspect_gguf,
+                            gguf_quantization=build.gguf_default_quantization)
+        with pytest.raises(Stop):
+            pull(str(path), hooks=hooks, store=store, quantization=quant,
+                 prebuilt_index=PrebuiltIndex())
+    assert asked == ["q4f32_asym", "q4f16_1", "q4f32_1"]
+
+    out = build.convert_source(path, tmp_path / "model", "q4f32_asym", scratch_dir=tmp_path)
+    params, _ = tvmjs.load_tensor_cache(str(out), tvm.cpu())
+    params = {name: value.numpy() for name, value in params.items()}
+    imported = lg.gguf_to_hf_folder(path, tmp_path / "hf")
+    from safetensors.numpy import load_file
+
+    file_weights = load_file(imported / "model.safetensors")
+    emb = file_weights["model.embed_tokens.weight"]
+    got = dequantize_q8(params["model.embed_tokens.weight"], params["model.embed_tokens.scale"])
+    assert np.array_equal(got, emb)
+    down = "model.layers.1.mlp.down_proj."
+    got = dequantize_q4(params[down + "weight"], params[down + "scale"], None, params[down + "min"])
+    assert np.array_equal(got, file_weights[down + "weight"])
+
+    # `localchat convert FILE.gguf` without --quant, on the CPU: the same choice, and it says so
+    cli_out = tmp_path / "cli"
+    proc = subprocess.run([sys.executable, "-m", "localchat.cli", "convert", str(path), "--output",
+                           str(cli_out), "--device", "cpu", "--no-compile"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "q4f32_asym: it holds this file's weights exactly" in proc.stderr
+    meta = json.loads((cli_out / "localchat-config.json").read_text())
+    assert meta["quantization"] == "q4f32_asym" and meta["source"] == {"path": str(path)}
 
 
 def test_unsupported_or_broken_files_are_refused_before_conversion(tmp_path: Path) -> None:

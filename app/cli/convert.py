@@ -1,4 +1,5 @@
-"""`localchat convert`: build a model directory from an HF folder (and compile it)."""
+"""`localchat convert`: build a model directory from an HF folder or a .gguf file (and compile
+it)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,13 @@ from localchat.errors import LocalchatError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("convert", help="build a model directory from an HF folder")
-    p.add_argument("source", help="HF model folder (config.json + weights + tokenizer)")
-    p.add_argument("--quant", default="q4f32_1", help="q0f32, q0f16, q4f32_1 or q4f16_1")
+    p = sub.add_parser("convert", help="build a model directory from an HF folder or a .gguf")
+    p.add_argument("source", help="HF model folder (config.json + weights + tokenizer) or a "
+                   ".gguf file (Llama architecture)")
+    p.add_argument("--quant", default=None,
+                   help="q0f32, q0f16, q4f32_1, q4f16_1, q4f32_asym or q4f16_asym (default: "
+                   "q4f32_1; for a Q4_1 .gguf on the CPU q4f32_asym, which holds its weights "
+                   "exactly)")
     p.add_argument("--output", "-o", required=True, help="model directory to create")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, metal or vulkan")
     p.add_argument("--context-window", type=int, default=None)
@@ -23,8 +28,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
+    from localchat.engine import build
     from localchat.engine import model_dir as md
-    from localchat.engine.convert import convert_model, has_tokenizer, read_hf_config
+    from localchat.engine.convert import has_tokenizer, read_hf_config
+    from localchat.engine.quantization import get_quant_mode
 
     source, output = Path(args.source), Path(args.output)
     if output.exists() and not output.is_dir():
@@ -32,16 +39,29 @@ def cmd_convert(args: argparse.Namespace) -> int:
                              f"create")
     if md.is_model_dir(output) and not args.force:
         raise LocalchatError(f"{output} is already a model directory; add --force to replace it")
-    read_hf_config(source)  # a folder that is no model fails on that first
-    if not has_tokenizer(source):
-        raise LocalchatError(f"{source} has no tokenizer (tokenizer.json, tokenizer.model or "
-                             f"the RWKV World vocabulary); `localchat run` needs one")
-    out = convert_model(
+    quant = args.quant
+    if build.is_gguf(source):
+        build.inspect_gguf(source)  # a file that cannot be imported fails on that first
+        if quant is None:
+            from localchat.engine.device import select_device
+
+            quant = build.gguf_default_quantization(source, select_device(args.device).kind)
+    else:
+        read_hf_config(source)  # a folder that is no model fails on that first
+        if not has_tokenizer(source):
+            raise LocalchatError(f"{source} has no tokenizer (tokenizer.json, tokenizer.model "
+                                 f"or the RWKV World vocabulary); `localchat run` needs one")
+    quant = quant or "q4f32_1"
+    get_quant_mode(quant)  # an unknown mode fails before any work
+    if args.quant is None and quant != "q4f32_1":
+        log(f"quantization {quant}: it holds this file's weights exactly")
+    out = build.convert_source(
         source,
         output,
-        args.quant,
+        quant,
         prefill_chunk_size=args.prefill_chunk_size,
         context_window_size=args.context_window,
+        scratch_dir=output.parent,
         # compiled before the directory is put in place: a failed compile leaves nothing
         compile_for=None if args.no_compile else args.device,
         log=log,

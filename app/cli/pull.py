@@ -24,7 +24,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("model", metavar="NAME", help="model name, HF repo id, HF folder or .gguf file")
     p.add_argument("--quant", help="quantization (default: the recipe's for the device kind, "
-                   "q4f16_1 on GPUs, q4f32_1 on CPUs)")
+                   "q4f16_1 on GPUs, q4f32_1 on CPUs; a .gguf file of Q4_1 weights on the CPU: "
+                   "q4f32_asym, which holds them exactly)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, metal or vulkan")
     p.add_argument("--force", action="store_true", help="pull and build again even if stored")
     p.set_defaults(handler=cmd_pull)

@@ -79,6 +79,9 @@ class EngineHooks:
     # .gguf file -> the HF config.json it amounts to (raises for what cannot be imported);
     # None: GGUF files are not inspected before conversion
     inspect_gguf: Callable[[Path], dict[str, Any]] | None = None
+    # (.gguf file, device kind) -> the quantization the file calls for when none is asked for
+    # (None: the recipe default); None: always the recipe default
+    gguf_quantization: Callable[[Path, str], str | None] | None = None
 
     def library_stem(self, model_dir: Path) -> str | None:
         """The file stem under `model_dir/lib/` of this device's library (None: no target)."""
@@ -124,6 +127,7 @@ def engine_hooks(device: str = "auto", store: Store | None = None,
         device_name=chosen.kind,
         library_name=lambda model_dir: build.library_stem(model_dir, chosen.target),
         inspect_gguf=build.inspect_gguf,
+        gguf_quantization=build.gguf_default_quantization,
     )
 
 
@@ -463,7 +467,8 @@ class _Puller:
         if self.hooks.inspect_gguf is not None:
             self._check_config(self.hooks.inspect_gguf(path), path.name)
         as_16bit = gguf_parameters(path) * 2  # the import writes 16-bit weights (q0f32: 32)
-        intermediate = as_16bit * (2 if self.quantization == "q0f32" else 1)
+        wide = build.gguf_weights_dtype(self.quantization) == "float32"
+        intermediate = as_16bit * (2 if wide else 1)
         return {self.store.downloads_dir: intermediate,
                 self.store.models_dir: _estimate_model_bytes(as_16bit, self.quantization)}
 
@@ -572,6 +577,15 @@ class _Puller:
         return self._result(model, origin)
 
 
+def _gguf_quantization(source: PullSource, hooks: EngineHooks) -> str | None:
+    """For a local .gguf file, the quantization its weights call for (q4f32_asym for a Q4_1 file
+    on the CPU: it holds them exactly), else None."""
+    path = source.path
+    if source.kind != "local" or path is None or not path.is_file() or path.suffix != ".gguf":
+        return None
+    return hooks.gguf_quantization(path, hooks.device_kind) if hooks.gguf_quantization else None
+
+
 def gguf_parameters(path: Path) -> int:
     """How many weights a GGUF file holds, from its tensor table (its size alone misleads: an
     F16 file holds 2 bytes a weight, a Q4 one about half a byte)."""
@@ -615,7 +629,8 @@ def pull(
     downloads are kept after a failure so that the next pull resumes them.
     """
     source = parse_source(ref, recipes_dir)
-    quant = quantization or source.recipe.default_quantization(hooks.device_kind)
+    quant = (quantization or _gguf_quantization(source, hooks)
+             or source.recipe.default_quantization(hooks.device_kind))
     store = store or Store()
     say = log or (lambda _msg: None)
     for leftover, size in store.remove_stale_leftovers():

@@ -26,8 +26,31 @@ def check_architecture(hf_config: dict[str, Any]) -> str:
 
 
 def gguf_weights_dtype(quantization: str) -> str:
-    """Precision of the intermediate weights of a GGUF import: float32 only for q0f32."""
-    return "float32" if quantization == "q0f32" else "float16"
+    """Precision of the intermediate weights of a GGUF import: float32 for q0f32 and for the
+    asymmetric modes (a Q4_1 block's d * q + m, or a Q8_0 one's d * q, is a float32 that float16
+    would round, and the asymmetric modes are meant to hold them exactly), else float16."""
+    from localchat.engine.quantization import QUANT_MODES
+
+    mode = QUANT_MODES.get(quantization)
+    if quantization == "q0f32" or (mode is not None and mode.asymmetric):
+        return "float32"
+    return "float16"
+
+
+def gguf_default_quantization(path: Path, device_kind: str) -> str | None:
+    """The quantization a .gguf file gets when none is asked for, if the file decides it: on
+    the CPU, the mode that holds its weights exactly (`gguf.exact_quantization`: q4f32_asym for
+    a Q4_1 file). None: the usual default applies (also for a file that cannot be read; the
+    import reports that)."""
+    if device_kind != "cpu":
+        return None
+    from localchat.engine.gguf import exact_quantization
+    from localchat.errors import LocalchatError
+
+    try:
+        return exact_quantization(path)
+    except LocalchatError:
+        return None
 
 
 def is_gguf(source: Path) -> bool:
@@ -44,16 +67,19 @@ def convert_source(
     source_info: dict[str, Any] | None = None,
     scratch_dir: Path | None = None,
     log: Log | None = None,
+    prefill_chunk_size: int | None = None,
+    compile_for: Any = None,
 ) -> Path:
     """Build a model directory from an HF folder or a .gguf file (imported via a temporary HF
-    folder under `scratch_dir`)."""
+    folder under `scratch_dir`); `compile_for`: as `convert.convert_model`'s."""
     from localchat.engine.convert import convert_model
 
     source = Path(source)
     if not is_gguf(source):
         return convert_model(source, output_dir, quantization,
                              context_window_size=context_window_size,
-                             source_info=source_info, log=log)
+                             prefill_chunk_size=prefill_chunk_size,
+                             source_info=source_info, compile_for=compile_for, log=log)
     from localchat.engine.gguf import gguf_to_hf_folder
 
     if scratch_dir is not None:
@@ -63,7 +89,9 @@ def convert_source(
                                    dtype=gguf_weights_dtype(quantization))
         return convert_model(folder, output_dir, quantization,
                              context_window_size=context_window_size,
-                             source_info=source_info, log=log)
+                             prefill_chunk_size=prefill_chunk_size,
+                             source_info=source_info or {"path": str(source.resolve())},
+                             compile_for=compile_for, log=log)
 
 
 def inspect_gguf(path: Path) -> dict[str, Any]:

@@ -151,6 +151,25 @@ def read_gguf(path: Path) -> GGUFFile:
     return GGUFFile(path, metadata, tensors)
 
 
+# Tensors llama.cpp keeps at a higher precision than the rest in its quantized files (Q8_0 or
+# Q6_K for Q4_1 files): the token embedding and the output head.
+_HEAD_TENSORS = ("token_embd.weight", "output.weight")
+
+
+def matrix_types(gf: GGUFFile) -> set[str]:
+    """The GGUF types of the file's weight matrices other than the embedding and output head
+    (e.g. {"Q4_1"} for a llama.cpp Q4_1 file)."""
+    return {t.type_name for t in gf.tensors.values()
+            if len(t.shape) == 2 and t.name not in _HEAD_TENSORS}
+
+
+def exact_quantization(path: Path) -> str | None:
+    """The CPU quantization mode that holds the file's weights exactly, if one does:
+    "q4f32_asym" when every weight matrix but the embedding / output head is Q4_1 (llama.cpp's
+    Q4_1 files; their Q8_0 head is held exactly too, a Q6_K one to 8 bits). None otherwise."""
+    return "q4f32_asym" if matrix_types(read_gguf(path)) == {"Q4_1"} else None
+
+
 # -- config ----------------------------------------------------------------------------------
 def _check_supported(gf: GGUFFile) -> None:
     arch = gf.architecture
