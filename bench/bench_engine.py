@@ -1,13 +1,14 @@
-"""Benchmark: localchat (q4f32_1, q0f32) beside llama.cpp on this CPU, per model shape.
+"""Benchmark: localchat (q4f32_1, q0f32 or --quant) beside llama.cpp on this CPU, per model shape.
 
     python bench/bench_engine.py [--shape smollm2|1b|rwkv3b] [--threads 1,2] [--skip-llama-cpp]
                                  [--skip-agreement] [--batches 1,4,16]
+                                 [--quant q4f32_1,q4f32_asym,q0f32]
 
 Shapes:
 
 * `smollm2` (default): the real SmolLM2-135M-Instruct, ours converted from its HF folder, llama.cpp
-  on its Q4_1 GGUF; also q4f32_1's top-1 agreement with q0f32 over 128 greedy steps (q0f32
-  greedy, q4 teacher-forced on those tokens);
+  on its Q4_1 GGUF; also each 4-bit mode's top-1 agreement with q0f32 over 128 greedy steps
+  (q0f32 greedy, q4 teacher-forced on those tokens);
 * `1b`: a Llama of 1B shape (hidden 2048, 16 layers, MLP 8192, 32/8 heads, vocab 49 152, tied
   embeddings) with random weights, written once as an F16 GGUF with SmolLM2's tokenizer; llama.cpp
   quantizes its copy to Q4_1 (every tensor), ours imports the same file (`gguf_to_hf_folder`, what
@@ -20,8 +21,10 @@ For each engine and thread count: prefill tok/s on a 451-token prompt, decode to
 tokens, peak RSS, compile and load time, ratios to llama.cpp at the same thread count; the read
 bandwidth of a compiled streaming sum over 1 GiB, sampled before and after each run (this VM's
 bandwidth follows its neighbours' load), and decode as a fraction of that roofline: weight bytes
-read per token x tok/s / bandwidth (all 4-bit weights except the embedding rows; q4f32_1 and Q4_1
-both store 32 weights in 20 bytes). Ours also decodes 1, 4 and 16 sequences at once
+read per token x tok/s / bandwidth (the layers' 4-bit weights, 20 bytes per 32 in q4f32_1,
+q4f32_asym and Q4_1, and the LM head: 4-bit in q4f32_1 and in the 1b shape's all-Q4_1 file, 8-bit
+(34 bytes per 32) in q4f32_asym and in SmolLM2's GGUF, Q8_0). Ours also decodes 1, 4 and 16
+sequences at once
 (`Model.decode` on a list of sequences; tok/s summed over the sequences). Each configuration runs
 in its own process so peak RSS is its own.
 """
@@ -69,15 +72,24 @@ LLAMA_1B = {
     "vocab_size": 49152,
 }
 Q4_BYTES_PER_WEIGHT = 20 / 32  # q4f32_1: 16 bytes of nibbles + a float32 scale; Q4_1: + 2 f16
+Q8_BYTES_PER_WEIGHT = 34 / 32  # 32 int8 + a float16 scale (Q8_0; the asymmetric modes' head)
 
 
-def weights_read_per_token(cfg: dict) -> int:
-    """Weights a decode step reads: every layer's projections and the (tied) LM head."""
+def weights_read_per_token(cfg: dict) -> tuple[int, int]:
+    """Weights a decode step reads: (every layer's projections, the (tied) LM head)."""
     h, f, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     head_dim = h // cfg["num_attention_heads"]
     qkv = h * (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"]) * head_dim
     per_layer = qkv + h * h + 3 * h * f
-    return layers * per_layer + cfg["vocab_size"] * h
+    return layers * per_layer, cfg["vocab_size"] * h
+
+
+def bytes_read_per_token(cfg: dict, engine: str, shape: str) -> float:
+    """Weight bytes a decode step of `engine` ("llama.cpp" or a quantization) reads."""
+    layers, head = weights_read_per_token(cfg)
+    head_8bit = engine.endswith("_asym") or (engine == "llama.cpp" and shape == "smollm2")
+    return (layers * Q4_BYTES_PER_WEIGHT
+            + head * (Q8_BYTES_PER_WEIGHT if head_8bit else Q4_BYTES_PER_WEIGHT))
 
 
 def _peak_rss_mb() -> float:
@@ -322,9 +334,9 @@ def run_llama_cpp(shape: str, threads: int) -> dict:
     }
 
 
-def top1_agreement(steps: int = AGREE_STEPS) -> float:
-    """The fraction of `steps` greedy steps of q0f32 on the real SmolLM2 at which q4f32_1, fed
-    the same tokens, picks the same top-1 token."""
+def top1_agreement(quants: list[str], steps: int = AGREE_STEPS) -> dict[str, float]:
+    """For each of `quants`, the fraction of `steps` greedy steps of q0f32 on the real SmolLM2 at
+    which it, fed the same tokens, picks the same top-1 token."""
     import numpy as np
 
     from localchat.engine.runtime import Model
@@ -340,9 +352,11 @@ def top1_agreement(steps: int = AGREE_STEPS) -> float:
     for _ in range(steps - 1):
         tokens.append(int(np.argmax(ref.decode([seq], [tokens[-1]])[0])))
     del ref
-    q4 = Model(converted(src, "q4f32_1"), "cpu")
-    ours = run_teacher_forced(q4, prompt, tokens)
-    return float(np.mean([int(np.argmax(o) == t) for o, t in zip(ours, tokens)]))
+    agreement = {}
+    for quant in quants:
+        ours = run_teacher_forced(Model(converted(src, quant), "cpu"), prompt, tokens)
+        agreement[quant] = float(np.mean([int(np.argmax(o) == t) for o, t in zip(ours, tokens)]))
+    return agreement
 
 
 BATCH_SIZES = (1, 4, 16)
@@ -379,7 +393,7 @@ def main() -> None:
         if args.child == "llama.cpp":
             result = run_llama_cpp(args.shape, int(args.threads))
         elif args.child == "agree":
-            result = {"agreement": top1_agreement()}
+            result = {"agreement": top1_agreement(args.quant.split(","))}
         else:
             result = run_localchat(args.shape, args.child)
         print(json.dumps(result))
@@ -402,7 +416,8 @@ def main() -> None:
     from bench_rwkv import Bandwidth
 
     bw = Bandwidth()
-    weight_bytes = weights_read_per_token(cfg) * Q4_BYTES_PER_WEIGHT
+    readers = [q for q in quants if q.startswith("q4")]
+    readers += [] if args.skip_llama_cpp else ["llama.cpp"]
 
     def timed(name: str, child_args: list[str], threads: int) -> dict:
         before = bw.read()
@@ -413,8 +428,9 @@ def main() -> None:
 
     title = "SmolLM2-135M-Instruct" if args.shape == "smollm2" else "Llama 1B shape, random weights"
     print(
-        f"{title}: prompt {PROMPT_TOKENS} tok, decode {DECODE_TOKENS} tok; 4-bit weights read per "
-        f"token {weight_bytes / 1e6:.0f} MB"
+        f"{title}: prompt {PROMPT_TOKENS} tok, decode {DECODE_TOKENS} tok; weights read per "
+        "token: "
+        + ", ".join(f"{e} {bytes_read_per_token(cfg, e, args.shape) / 1e6:.0f} MB" for e in readers)
     )
     header = (
         f"{'engine':<22}{'thr':>4}{'prefill tok/s':>14}{'decode tok/s':>14}{'read GB/s':>10}"
@@ -438,13 +454,15 @@ def main() -> None:
                     threads,
                 )
             )
+            rows[-1]["quant"] = quant
         peer = rows[0] if not args.skip_llama_cpp else None
         for r in rows:
             px = f"{r['prefill_tok_s'] / peer['prefill_tok_s']:.2f}" if peer else "-"
             dx = f"{r['decode_tok_s'] / peer['decode_tok_s']:.2f}" if peer else "-"
             roof = "-"
             if "q0" not in r["name"]:
-                roof = f"{weight_bytes * r['decode_tok_s'] / (r['read_gb_s'] * 1e9):.0%}"
+                read = bytes_read_per_token(cfg, r.get("quant", "llama.cpp"), args.shape)
+                roof = f"{read * r['decode_tok_s'] / (r['read_gb_s'] * 1e9):.0%}"
             print(
                 f"{r['name']:<22}{threads:>4}{r['prefill_tok_s']:>14.1f}{r['decode_tok_s']:>14.1f}"
                 f"{r['read_gb_s']:>10.1f}{roof:>8}{r['peak_rss_mb']:>12.0f}{r['compile_s']:>10.1f}"
@@ -459,9 +477,14 @@ def main() -> None:
         for name, threads, by_count in batched:
             cells = "".join(f"{by_count[str(b)]:>10.1f}" for b in BATCH_SIZES)
             print(f"{name:<22}{threads:>4}{cells}")
-    if args.shape == "smollm2" and not args.skip_agreement:
-        agree = child(["--child", "agree", "--shape", args.shape], thread_list[-1])["agreement"]
-        print(f"\nq4f32_1 top-1 agreement with q0f32 over {AGREE_STEPS} greedy steps: {agree:.1%}")
+    q4 = [q for q in quants if q.startswith("q4")]
+    if args.shape == "smollm2" and not args.skip_agreement and q4:
+        agree = child(["--child", "agree", "--shape", args.shape, "--quant", ",".join(q4)],
+                      thread_list[-1])["agreement"]
+        print()
+        for quant, value in agree.items():
+            print(f"{quant} top-1 agreement with q0f32 over {AGREE_STEPS} greedy steps: "
+                  f"{value:.1%}")
 
 
 if __name__ == "__main__":
