@@ -387,7 +387,7 @@ def test_q4_1_gguf_defaults_to_q4f32_asym_which_holds_it_exactly(tiny: Path,
     got = dequantize_q8(params["model.embed_tokens.weight"], params["model.embed_tokens.scale"])
     assert np.array_equal(got, emb)
     down = "model.layers.1.mlp.down_proj."
-    got = dequantize_q4(params[down + "weight"], params[down + "scale"], None, params[down + "min"])
+    got = dequantize_q4(params[down + "weight"], params[down + "scale"], asymmetric=True)
     assert np.array_equal(got, file_weights[down + "weight"])
 
     # `localchat convert FILE.gguf` without --quant, on the CPU: the same choice, and it says so

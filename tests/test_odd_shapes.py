@@ -55,8 +55,7 @@ def _round_trip(weight: torch.Tensor, quant: str = "q4f32_1", head: bool = False
     if quant == "q4f32_asym" and head:
         return torch.from_numpy(dequantize_q8(*quantize_q8(w), k))
     if quant == "q4f32_asym":
-        words, scale, low = quantize_q4_asym(w)
-        return torch.from_numpy(dequantize_q4(words, scale, k, low))
+        return torch.from_numpy(dequantize_q4(*quantize_q4_asym(w), k, asymmetric=True))
     words, scale = quantize_q4(w, "float32")
     return torch.from_numpy(dequantize_q4(words, scale, k))
 

@@ -21,6 +21,7 @@ from localchat.engine.quantization import (
     padded_k,
     quantize_q4_asym,
     quantize_q8,
+    split_scale_min,
 )
 from localchat.errors import QuantizationError
 
@@ -43,11 +44,13 @@ def test_q4_1_blocks_round_trip_exactly() -> None:
     w[3, :32] = 0.25  # a constant group
     w[5] *= 300  # large magnitudes
     w = _gguf_round_trip(w, "Q4_1")
-    words, scale, low = quantize_q4_asym(w)
+    words, scale_min = quantize_q4_asym(w)
     assert words.dtype == np.uint32 and words.shape == (64, 32)
-    assert scale.dtype == low.dtype == np.float16 and scale.shape == low.shape == (64, 8)
-    assert np.array_equal(dequantize_q4(words, scale, 256, low), w)
+    assert scale_min.dtype == np.float16 and scale_min.shape == (64, 16)  # side by side
+    assert np.array_equal(dequantize_q4(words, scale_min, 256, asymmetric=True), w)
+    scale, low = split_scale_min(scale_min)
     assert scale[3, 0] == 0 and low[3, 0] == np.float16(0.25)
+    assert scale_min[5, 2] == scale[5, 1] and scale_min[5, 3] == low[5, 1]
 
 
 def test_q8_0_blocks_round_trip_exactly() -> None:
@@ -72,8 +75,7 @@ def test_smollm2_weights_round_trip_exactly() -> None:
         if name == "model.embed_tokens.weight":
             back = dequantize_q8(*quantize_q8(w), w.shape[1])
         else:
-            words, scale, low = quantize_q4_asym(w)
-            back = dequantize_q4(words, scale, w.shape[1], low)
+            back = dequantize_q4(*quantize_q4_asym(w), w.shape[1], asymmetric=True)
         assert np.array_equal(back, w), name
 
 
@@ -83,16 +85,18 @@ def test_asym_quantizer_on_plain_floats() -> None:
     value (not 0: the kernels read only k columns); float16's range is enforced."""
     rng = np.random.default_rng(2)
     w = rng.standard_normal((7, 344), dtype=np.float32)
-    words, scale, low = quantize_q4_asym(w)
-    assert words.shape == (7, 352 // 8) and scale.shape == (7, 11)
-    full = dequantize_q4(words, scale, None, low)
+    words, scale_min = quantize_q4_asym(w)
+    assert words.shape == (7, 352 // 8) and scale_min.shape == (7, 22)
+    scale, low = split_scale_min(scale_min)
+    full = dequantize_q4(words, scale_min, asymmetric=True)
     step = np.repeat(scale.astype(np.float32), 32, axis=1)[:, :344]
     assert np.all(np.abs(full[:, :344] - w) <= step * 0.5 + 1e-6)
     groups = np.pad(w, ((0, 0), (0, 8)), mode="edge").reshape(7, 11, 32)
     assert np.array_equal(low, groups.min(axis=-1).astype(np.float16))
     assert np.allclose(full[:, 344:], w[:, -1:], atol=float(scale.max()))
-    head_words, head_scale, head_low = quantize_q4_asym(w[:, :320])  # whole groups alone
-    assert np.array_equal(words[:, :40], head_words) and np.array_equal(low[:, :10], head_low)
+    head_words, head_scale_min = quantize_q4_asym(w[:, :320])  # whole groups alone
+    assert np.array_equal(words[:, :40], head_words)
+    assert np.array_equal(scale_min[:, :20], head_scale_min)
     with pytest.raises(QuantizationError, match="float16"):
         quantize_q4_asym(np.array([[0.0] * 31 + [1e6]], np.float32))
     with pytest.raises(QuantizationError, match="float16"):
@@ -108,8 +112,8 @@ def test_modes() -> None:
 
 
 def test_model_parameters_of_the_asym_layout() -> None:
-    """A Linear has weight, scale and min; the embedding and an untied LM head are int8 with
-    float16 scales; the symmetric modes' parameters are as before."""
+    """A Linear has weight and scale (float16 scale and min side by side); the embedding and an
+    untied LM head are int8 with float16 scales; the symmetric modes' parameters are as before."""
     from localchat.engine.convert import read_hf_config
     from localchat.engine.device import cpu_target
     from localchat.engine.models import detect_architecture
@@ -128,22 +132,22 @@ def test_model_parameters_of_the_asym_layout() -> None:
     asym, sym = params("q4f32_asym"), params("q4f32_1")
     down = "model.layers.0.mlp.down_proj."
     assert asym[down + "weight"] == sym[down + "weight"] == ((64, 16), "uint32")
-    assert asym[down + "scale"] == asym[down + "min"] == ((64, 4), "float16")
-    assert sym[down + "scale"] == ((64, 4), "float32") and down + "min" not in sym
+    assert asym[down + "scale"] == ((64, 8), "float16")
+    assert sym[down + "scale"] == ((64, 4), "float32")
+    assert set(asym) == set(sym)
     for head in ("model.embed_tokens.", "lm_head."):
         assert asym[head + "weight"] == ((512, 64), "int8")
-        assert asym[head + "scale"] == ((512, 2), "float16") and head + "min" not in asym
+        assert asym[head + "scale"] == ((512, 2), "float16")
         assert sym[head + "weight"] == ((512, 8), "uint32")
 
 
 def _dense_asym(k: int, n: int, seed: int):
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((n, k), dtype=np.float32) * 0.05 + 0.02
-    words, scale, low = quantize_q4_asym(w)
+    words, scale_min = quantize_q4_asym(w)
     q, qs = quantize_q8(w)
-    return rng, (words, scale, low), dequantize_q4(words, scale, k, low), (q, qs), dequantize_q8(
-        q, qs, k
-    )
+    dense4 = dequantize_q4(words, scale_min, k, asymmetric=True)
+    return rng, (words, scale_min), dense4, (q, qs), dequantize_q8(q, qs, k)
 
 
 def _check(lib, kernels, x, bias, n: int, tol: float, exact_x=None) -> None:
@@ -249,7 +253,7 @@ def test_float16_activations() -> None:
     from localchat.engine.kernels.common import gemv_isa
 
     k, n = 640, 24
-    rng, (words, scale, low), dense, (q, qs), dense8 = _dense_asym(k, n, 5)
+    rng, (words, scale_min), dense, (q, qs), dense8 = _dense_asym(k, n, 5)
     isa = gemv_isa(cpu_target())
     lib = _compile({
         "asym": gemv.gemv_q4(k, n, "float16", isa, True, asym=True),
@@ -257,7 +261,7 @@ def test_float16_activations() -> None:
     })
     x = rng.standard_normal((4, k)).astype(np.float16)
     b = rng.standard_normal(n).astype(np.float16)
-    for name, weights, d in (("asym", (words, scale, low), dense), ("q8", (q, qs), dense8)):
+    for name, weights, d in (("asym", (words, scale_min), dense), ("q8", (q, qs), dense8)):
         y = tvm.runtime.tensor(np.zeros((4, n), np.float16), tvm.cpu())
         lib[name](*[tvm.runtime.tensor(a, tvm.cpu()) for a in (x, *weights, b)], y)
         ref = x.astype(np.float64) @ d.T.astype(np.float64) + b.astype(np.float64)
@@ -296,10 +300,10 @@ def test_gpu_dequantize_path_reads_only_real_columns() -> None:
     }
     mod, params = Net().export_tvm(spec=spec)
     vm = relax.VirtualMachine(tvm.compile(mod, target=cpu_target()), tvm.cpu())
-    rng, (ww, ws, wm), proj, _, _ = _dense_asym(k, n, 9)
+    rng, (ww, ws), proj, _, _ = _dense_asym(k, n, 9)
     e = rng.standard_normal((vocab, k), dtype=np.float32)
     (hq, hs), (eq, es) = quantize_q8(e * 0.5), quantize_q8(e)
-    values = {"proj.weight": ww, "proj.scale": ws, "proj.min": wm, "head.weight": hq,
+    values = {"proj.weight": ww, "proj.scale": ws, "head.weight": hq,
               "head.scale": hs, "emb.weight": eq, "emb.scale": es}
     packed = [tvm.runtime.tensor(values[name], tvm.cpu()) for name, _ in params]
     x = rng.standard_normal((3, k), dtype=np.float32)

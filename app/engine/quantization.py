@@ -11,8 +11,11 @@ packing, but each group has a scale and a min, both stored as float16 whatever t
 type, and q means q * scale + min. The quantizer takes min = the group's min and scale = (group
 max - min) / 15, both rounded to float16 as stored before q = round((w - min) / scale) is
 computed, so 32 weights take 20 bytes as in q4f32_1, and a group that came from a Q4_1 GGUF
-(value d * q + m in float32) round-trips exactly: min is m, scale is d, q is q. The suffix says
-what the mode is rather than MLC's number (MLC's q4f16_2 etc. are other layouts).
+(value d * q + m in float32) round-trips exactly: min is m, scale is d, q is q. Scale and min sit
+side by side in one float16 array [N, 2 Kp/32] (scale of group g at 2 g, its min at 2 g + 1), so
+a row's group parameters are one stream of 4 bytes per group, as q4f32_1's float32 scales (kept
+apart, the mins cost the decode GEMV 10-15% on the 1B shape's layers). The suffix says what the
+mode is rather than MLC's number (MLC's q4f16_2 etc. are other layouts).
 
 In the asymmetric modes the token embedding table and the LM head (tied to it or not) are 8-bit
 instead, as llama.cpp keeps them in its Q4_1 files (Q8_0 or Q6_K): per group of 32 a float16
@@ -127,9 +130,9 @@ def quantize_q4(weight: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]
     return _pack_nibbles(q.reshape(n, kp)), scale
 
 
-def quantize_q4_asym(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def quantize_q4_asym(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Pack a float [N, K] matrix asymmetrically into (uint32 words [N, Kp/8], float16 scales
-    [N, Kp/32], float16 mins [N, Kp/32]), Kp = `padded_k(K)`; value = q * scale + min. The
+    and mins [N, 2 Kp/32], side by side), Kp = `padded_k(K)`; value = q * scale + min. The
     columns past K repeat each row's last value (not 0: kernels read only the first K)."""
     if weight.ndim != 2:
         raise QuantizationError(f"cannot 4-bit quantize a tensor of shape {weight.shape}")
@@ -151,18 +154,28 @@ def quantize_q4_asym(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nda
     safe = np.where(s32 == 0, np.float32(1), s32)
     q = np.rint((groups - low.astype(np.float32)[..., None]) / safe[..., None])
     q = np.clip(q, 0, 15).astype(np.int32)
-    return _pack_nibbles(q.reshape(n, kp)), scale, low
+    scale_min = np.stack([scale, low], axis=-1).reshape(n, 2 * (kp // GROUP_SIZE))
+    return _pack_nibbles(q.reshape(n, kp)), scale_min
+
+
+def split_scale_min(scale_min: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(scales, mins) [N, G] of an asymmetric weight's side-by-side array [N, 2 G]."""
+    return scale_min[:, 0::2], scale_min[:, 1::2]
 
 
 def dequantize_q4(
-    words: np.ndarray, scale: np.ndarray, k: int | None = None, low: np.ndarray | None = None
+    words: np.ndarray, scale: np.ndarray, k: int | None = None, asymmetric: bool = False
 ) -> np.ndarray:
-    """Inverse of `quantize_q4` (as float32), or of `quantize_q4_asym` given its mins `low`
-    (q * scale + min in float32, as llama.cpp's Q4_1), for tests and for checking conversions;
-    `k`: the real reduction size, to drop the padding columns (default: keep the stored width)."""
+    """Inverse of `quantize_q4` (as float32), or with `asymmetric` of `quantize_q4_asym` (`scale`
+    then holds scales and mins side by side; q * scale + min in float32, as llama.cpp's Q4_1),
+    for tests and for checking conversions; `k`: the real reduction size, to drop the padding
+    columns (default: keep the stored width)."""
     n, kw = words.shape
     q = _unpack_nibbles(words)
-    if low is None:
+    low = None
+    if asymmetric:
+        scale, low = split_scale_min(scale)
+    else:
         q = q - 8
     q = q.reshape(n, kw * NIBBLES_PER_WORD // GROUP_SIZE, GROUP_SIZE).astype(np.float32)
     full = q * scale.astype(np.float32)[..., None]
@@ -204,10 +217,10 @@ def dequantize_q8(q: np.ndarray, scale: np.ndarray, k: int | None = None) -> np.
 
 def quantize_weight(weight: np.ndarray, mode: QuantMode) -> dict[str, np.ndarray]:
     """The stored parameters of one 4-bit weight matrix in `mode`, by name suffix: "weight"
-    (the packed words), "scale" and, in the asymmetric modes, "min". (The 8-bit embedding and
-    head of the asymmetric modes: `quantize_q8`.)"""
+    (the packed words) and "scale" (in the asymmetric modes scales and mins side by side). (The
+    8-bit embedding and head of the asymmetric modes: `quantize_q8`.)"""
     if mode.asymmetric:
-        words, scale, low = quantize_q4_asym(weight)
-        return {"weight": words, "scale": scale, "min": low}
+        words, scale_min = quantize_q4_asym(weight)
+        return {"weight": words, "scale": scale_min}
     words, scale = quantize_q4(weight, mode.dtype)
     return {"weight": words, "scale": scale}

@@ -86,12 +86,23 @@ def _nibble_dot(w, xp, row, r, word, centered: bool = False):
     return total
 
 
-def _lane_scale(s, row, group0, e, groups: int = GROUPS_PER_VEC):
+def _group_index(group, stride: int, offset: int):
+    """Where group `group`'s parameter sits in a row of s: group (symmetric scales), or 2 group
+    (asymmetric scale) and 2 group + 1 (its min)."""
+    return group if stride == 1 and offset == 0 else group * stride + offset
+
+
+def _lane_scale(s, row, group0, e, groups: int = GROUPS_PER_VEC, stride: int = 1, offset: int = 0):
     """The scale of lane e's group, s[row, group0 + e // 4], as a select over the `groups` groups
-    of a vector, so the vectorizer emits broadcasts and blends instead of a gather."""
-    value = T.Cast(F32, s[row, group0 + groups - 1])
+    of a vector, so the vectorizer emits broadcasts and blends instead of a gather (`stride`,
+    `offset`: s[row, (group0 + e // 4) * stride + offset], the asymmetric scale or min)."""
+    value = T.Cast(F32, s[row, _group_index(group0 + groups - 1, stride, offset)])
     for g in range(groups - 2, -1, -1):
-        value = T.Select(e < (g + 1) * WORDS_PER_GROUP, T.Cast(F32, s[row, group0 + g]), value)
+        value = T.Select(
+            e < (g + 1) * WORDS_PER_GROUP,
+            T.Cast(F32, s[row, _group_index(group0 + g, stride, offset)]),
+            value,
+        )
     return value
 
 
@@ -121,13 +132,14 @@ def _store_macro(dtype: str, bias: bool):
 def gemv_q4_macro(
     k: int, n: int, dtype: str, bias: bool, avx512: bool | str = False, asym: bool = False
 ):
-    """The 4-bit GEMV as a macro `(x, w, s, mn, b, y, m)` over buffers x [m, k], w [n, kp/8]
-    uint32, s [n, kp/32] (kp = `padded_k(k)`), mn [n, kp/32] (the group mins with `asym`, else
-    None), b [n] (None without `bias`) and y [m, n], for use inside other kernels.
+    """The 4-bit GEMV as a macro `(x, w, s, b, y, m)` over buffers x [m, k], w [n, kp/8] uint32,
+    s [n, kp/32] (kp = `padded_k(k)`; with `asym` [n, 2 kp/32] float16, scale and min of each
+    group side by side), b [n] (None without `bias`) and y [m, n], for use inside other kernels.
 
-    `asym`: value q * s + mn (the asymmetric modes) instead of (q - 8) * s. Per group, sum (q s +
-    mn) x = s sum q x + mn sum x: the nibbles are taken as 0..15 and the mins meet per-word sums
-    of x (the generic kernel's sums for the -8 offset; the table kernel computes them too)."""
+    `asym`: value q * scale + min (the asymmetric modes) instead of (q - 8) * scale. Per group,
+    sum (q scale + min) x = scale sum q x + min sum x: the nibbles are taken as 0..15 and the mins
+    meet per-word sums of x (the generic kernel's sums for the -8 offset; the table kernel
+    computes them too)."""
     if avx512 == "vnni":
         return gemv_q4_vnni_macro(k, n, dtype, bias, asym=asym)
     kw = padded_k(k) // NIBBLES_PER_WORD
@@ -157,14 +169,17 @@ def gemv_q4_macro(
             v16, "llvm.x86.avx512.permvar.sf.512", table, T.reinterpret(f"int32x{LANES}", shifted)
         )
 
-    def vec_scale(s, row, g0):
-        """s[row, g0 + lane // 4] for the 16 lanes: 4 broadcasts and 3 blends."""
+    def vec_scale(s, row, g0, stride: int = 1, offset: int = 0):
+        """s[row, g0 + lane // 4] for the 16 lanes: 4 broadcasts and 3 blends (`stride`,
+        `offset`: as `_lane_scale`'s)."""
         lane = T.Ramp(T.int32(0), T.int32(1), LANES)
-        value = T.Broadcast(T.Cast(F32, s[row, g0 + GROUPS_PER_VEC - 1]), LANES)
+        value = T.Broadcast(
+            T.Cast(F32, s[row, _group_index(g0 + GROUPS_PER_VEC - 1, stride, offset)]), LANES
+        )
         for g in range(GROUPS_PER_VEC - 2, -1, -1):
             value = T.Select(
                 lane < T.Broadcast(T.int32((g + 1) * WORDS_PER_GROUP), LANES),
-                T.Broadcast(T.Cast(F32, s[row, g0 + g]), LANES),
+                T.Broadcast(T.Cast(F32, s[row, _group_index(g0 + g, stride, offset)]), LANES),
                 value,
             )
         return value
@@ -180,19 +195,19 @@ def gemv_q4_macro(
 
     store = _store_macro(dtype, bias)
 
-    def word_term(w, xp, xs, s, mn, row, r, g0, wd0, e, groups: int = GROUPS_PER_VEC):
+    def word_term(w, xp, xs, s, row, r, g0, wd0, e, groups: int = GROUPS_PER_VEC):
         """Lane e's share of row `row` of W times row r of x: word wd0 + e, of the groups from
         g0 (4 words each)."""
         if asym:
-            return _lane_scale(s, row, g0, e, groups) * _nibble_dot(
+            return _lane_scale(s, row, g0, e, groups, 2, 0) * _nibble_dot(
                 w, xp, row, r, wd0 + e
-            ) + _lane_scale(mn, row, g0, e, groups) * xs[r, wd0 + e]
+            ) + _lane_scale(s, row, g0, e, groups, 2, 1) * xs[r, wd0 + e]
         return _lane_scale(s, row, g0, e, groups) * (
             _nibble_dot(w, xp, row, r, wd0 + e) - T.float32(8) * xs[r, wd0 + e]
         )
 
     @T.macro
-    def generic(x, w, s, mn, b, y, m):
+    def generic(x, w, s, b, y, m):
         xp = T.alloc_buffer((m, NIBBLES_PER_WORD, kw), F32)
         xs = T.alloc_buffer((m, kw), F32)
         prepare(x, xp, xs, m)
@@ -206,38 +221,38 @@ def gemv_q4_macro(
                     for u in T.unroll(vu):
                         for e in T.vectorized(LANES):
                             acc[u * LANES + e] = acc[u * LANES + e] + word_term(
-                                w, xp, xs, s, mn, jo * rb + jj, r, (vo * vu + u) * GROUPS_PER_VEC,
+                                w, xp, xs, s, jo * rb + jj, r, (vo * vu + u) * GROUPS_PER_VEC,
                                 (vo * vu + u) * LANES, e,
                             )
                 if tw > 0:
                     for e in T.vectorized(tw):
                         acc[e] = acc[e] + word_term(
-                            w, xp, xs, s, mn, jo * rb + jj, r, nv * GROUPS_PER_VEC,
+                            w, xp, xs, s, jo * rb + jj, r, nv * GROUPS_PER_VEC,
                             nv * LANES, e, tw // WORDS_PER_GROUP,
                         )
                 store(y, b, r, jo * rb + jj, _sum_lanes(acc, vu))
 
-    def vec_term(w, xp, xs, s, mn, row, r, g0, wd0):
+    def vec_term(w, xp, xs, s, row, r, g0, wd0):
         """The 16 lanes of row `row` of W times row r of x over the 16 words from wd0."""
         if asym:
-            return vec_scale(s, row, g0) * vec_dot(w, xp, row, r, wd0) + vec_scale(
-                mn, row, g0
+            return vec_scale(s, row, g0, 2, 0) * vec_dot(w, xp, row, r, wd0) + vec_scale(
+                s, row, g0, 2, 1
             ) * xs[r, T.Ramp(wd0, 1, LANES)]
         return vec_scale(s, row, g0) * vec_dot(w, xp, row, r, wd0)
 
-    def tail_term(w, xp, xs, s, mn, row, r, e):
+    def tail_term(w, xp, xs, s, row, r, e):
         """Lane e of the last, narrower vector of words."""
         g0, groups = nv * GROUPS_PER_VEC, tw // WORDS_PER_GROUP
         if asym:
-            return _lane_scale(s, row, g0, e, groups) * _nibble_dot(
+            return _lane_scale(s, row, g0, e, groups, 2, 0) * _nibble_dot(
                 w, xp, row, r, nv * LANES + e
-            ) + _lane_scale(mn, row, g0, e, groups) * xs[r, nv * LANES + e]
+            ) + _lane_scale(s, row, g0, e, groups, 2, 1) * xs[r, nv * LANES + e]
         return _lane_scale(s, row, g0, e, groups) * _nibble_dot(
             w, xp, row, r, nv * LANES + e, centered=True
         )
 
     @T.macro
-    def table(x, w, s, mn, b, y, m):
+    def table(x, w, s, b, y, m):
         xp = T.alloc_buffer((m, NIBBLES_PER_WORD, kw), F32)
         if asym:
             xs = T.alloc_buffer((m, kw), F32)
@@ -256,14 +271,14 @@ def gemv_q4_macro(
                             acc[T.Ramp((jj * vu + u) * LANES, 1, LANES)] = acc[
                                 T.Ramp((jj * vu + u) * LANES, 1, LANES)
                             ] + vec_term(
-                                w, xp, xs, s, mn, jo * rb + jj, r,
+                                w, xp, xs, s, jo * rb + jj, r,
                                 (vo * vu + u) * GROUPS_PER_VEC, (vo * vu + u) * LANES,
                             )
                 if tw > 0:
                     for jj in T.unroll(rb):
                         for e in T.vectorized(tw):
                             acc[jj * vu * LANES + e] = acc[jj * vu * LANES + e] + tail_term(
-                                w, xp, xs, s, mn, jo * rb + jj, r, e
+                                w, xp, xs, s, jo * rb + jj, r, e
                             )
                 for jj in range(rb):
                     store(y, b, r, jo * rb + jj, _sum_lanes(acc, vu, jj * vu))
@@ -290,6 +305,12 @@ def _tree(vec, lanes: int, op):
         )
         lanes = half
     return vec
+
+
+def _pairs(vec, lanes: int, which: int):
+    """Lane `which` (0 or 1) of each of the `lanes` side-by-side pairs of `vec` (2 `lanes`
+    lanes): the scales or the mins of the asymmetric modes' group parameters."""
+    return tirx.Shuffle([vec], [2 * i + which for i in range(lanes)])
 
 
 def _dpbusd(acc, a_u8, b_s8, groups: int):
@@ -323,7 +344,7 @@ def _unpack_unit(vectors, groups: int):
 def gemv_q4_vnni_macro(
     k: int, n: int, dtype: str, bias: bool, rows: int = VNNI_ROWS, asym: bool = False
 ):
-    """The 4-bit GEMV with int8 activations and AVX-512 VNNI, as a macro `(x, w, s, mn, b, y, m)`
+    """The 4-bit GEMV with int8 activations and AVX-512 VNNI, as a macro `(x, w, s, b, y, m)`
     over the buffers of `gemv_q4_macro`.
 
     x is quantized once per call, per row and group of 32 values, to int8 (scale max|x| / 127,
@@ -337,10 +358,11 @@ def gemv_q4_vnni_macro(
     unpacked weight vector serves the whole block, and a row's float operations are the same
     whatever the block, so its bits do not depend on the batch.
 
-    `asym` (value q * s + mn): the accumulators start at 0 and each unit also adds mn times the
+    `asym` (value q * scale + min; s holds scale and min side by side, split by a shuffle as a
+    unit's are loaded): the accumulators start at 0 and each unit also adds min times the
     group's sum of the quantized x (x scale * the int8 sum, computed with the int8 values), so
     the result is the dequantized weights times the int8-rounded x, as in the symmetric modes
-    (with the float sum of x instead, the min term would carry |w - mn| rather than |w| times
+    (with the float sum of x instead, the min term would carry |w - min| rather than |w| times
     x's rounding: ~2.5x the error on Gaussian groups)."""
     kp = padded_k(k)
     kw, kg = kp // NIBBLES_PER_WORD, kp // GROUP_SIZE
@@ -456,7 +478,7 @@ def gemv_q4_vnni_macro(
     store = _store_macro(dtype, bias)
 
     @T.macro
-    def block(w, s, mn, b, y, xq, xs, xo, wt, st, mt, row, r0, nrows):
+    def block(w, s, b, y, xq, xs, xo, wt, st, mt, row, r0, nrows):
         wl = T.alloc_buffer((8 * LANES,), "uint32")
         sl = T.alloc_buffer((LANES,), F32)
         if asym:
@@ -472,21 +494,33 @@ def gemv_q4_vnni_macro(
             wl[T.Ramp(0, 1, 8 * LANES)] = _unpack_unit(
                 [w[row, T.Ramp(u * 4 * LANES + v * LANES, 1, LANES)] for v in range(4)], LANES
             )
-            sl[T.Ramp(0, 1, LANES)] = T.Cast(
-                f"float32x{LANES}", s[row, T.Ramp(u * LANES, 1, LANES)]
-            )
             if asym:
+                sl[T.Ramp(0, 1, LANES)] = T.Cast(
+                    f"float32x{LANES}",
+                    _pairs(s[row, T.Ramp(2 * u * LANES, 1, 2 * LANES)], LANES, 0),
+                )
                 ml[T.Ramp(0, 1, LANES)] = T.Cast(
-                    f"float32x{LANES}", mn[row, T.Ramp(u * LANES, 1, LANES)]
+                    f"float32x{LANES}",
+                    _pairs(s[row, T.Ramp(2 * u * LANES, 1, 2 * LANES)], LANES, 1),
+                )
+            else:
+                sl[T.Ramp(0, 1, LANES)] = T.Cast(
+                    f"float32x{LANES}", s[row, T.Ramp(u * LANES, 1, LANES)]
                 )
             unit(wl, sl, ml, f16, xq, xs, xo, r0, nrows, u * LANES, LANES)
         for u in range(n4):
             wl[T.Ramp(0, 1, 32)] = _unpack_unit(
                 [w[row, T.Ramp(g4 * WORDS_PER_GROUP + u * LANES, 1, LANES)]], 4
             )
-            sl[T.Ramp(0, 1, 4)] = T.Cast("float32x4", s[row, T.Ramp(g4 + u * 4, 1, 4)])
             if asym:
-                ml[T.Ramp(0, 1, 4)] = T.Cast("float32x4", mn[row, T.Ramp(g4 + u * 4, 1, 4)])
+                sl[T.Ramp(0, 1, 4)] = T.Cast(
+                    "float32x4", _pairs(s[row, T.Ramp(2 * (g4 + u * 4), 1, 8)], 4, 0)
+                )
+                ml[T.Ramp(0, 1, 4)] = T.Cast(
+                    "float32x4", _pairs(s[row, T.Ramp(2 * (g4 + u * 4), 1, 8)], 4, 1)
+                )
+            else:
+                sl[T.Ramp(0, 1, 4)] = T.Cast("float32x4", s[row, T.Ramp(g4 + u * 4, 1, 4)])
             unit(wl, sl, ml, f4, xq, xs, xo, r0, nrows, g4 + u * 4, 4)
         if has_part:
             wl[T.Ramp(0, 1, 32)] = _unpack_unit([wt[T.Ramp(0, 1, LANES)]], 4)
@@ -505,7 +539,7 @@ def gemv_q4_vnni_macro(
                 store(y, b, r0 + rr, row, sum_lanes(f4, rr * 4, 4))
 
     @T.macro
-    def vnni(x, w, s, mn, b, y, m):
+    def vnni(x, w, s, b, y, m):
         xq = T.alloc_buffer((m, kg4 * XQ_WORDS_PER_GROUP), i32)
         xs = T.alloc_buffer((m, kg4), F32)
         xo = T.alloc_buffer((m, kg4), F32 if asym else i32)
@@ -524,23 +558,29 @@ def gemv_q4_vnni_macro(
                         w[row, T.min(gp * WORDS_PER_GROUP + i, kw - 1)],
                         T.uint32(0),
                     )
-                for i in range(4):
-                    st[i] = T.Select(
-                        i < part, T.Cast(F32, s[row, T.min(gp + i, kg - 1)]), T.float32(0)
-                    )
                 if asym:
                     for i in range(4):
+                        st[i] = T.Select(
+                            i < part, T.Cast(F32, s[row, 2 * T.min(gp + i, kg - 1)]), T.float32(0)
+                        )
                         mt[i] = T.Select(
-                            i < part, T.Cast(F32, mn[row, T.min(gp + i, kg - 1)]), T.float32(0)
+                            i < part,
+                            T.Cast(F32, s[row, 2 * T.min(gp + i, kg - 1) + 1]),
+                            T.float32(0),
+                        )
+                else:
+                    for i in range(4):
+                        st[i] = T.Select(
+                            i < part, T.Cast(F32, s[row, T.min(gp + i, kg - 1)]), T.float32(0)
                         )
             for rb in range(m // rows):
-                block(w, s, mn, b, y, xq, xs, xo, wt, st, mt, row, rb * rows, rows)
+                block(w, s, b, y, xq, xs, xo, wt, st, mt, row, rb * rows, rows)
             if m % rows >= 4:
-                block(w, s, mn, b, y, xq, xs, xo, wt, st, mt, row, m - m % rows, 4)
+                block(w, s, b, y, xq, xs, xo, wt, st, mt, row, m - m % rows, 4)
             if m % 4 >= 2:
-                block(w, s, mn, b, y, xq, xs, xo, wt, st, mt, row, m - m % 4, 2)
+                block(w, s, b, y, xq, xs, xo, wt, st, mt, row, m - m % 4, 2)
             if m % 2 == 1:
-                block(w, s, mn, b, y, xq, xs, xo, wt, st, mt, row, m - 1, 1)
+                block(w, s, b, y, xq, xs, xo, wt, st, mt, row, m - 1, 1)
 
     return vnni
 
@@ -550,10 +590,10 @@ def gemv_q4(
     k: int, n: int, dtype: str, avx512: bool | str = False, bias: bool = False, asym: bool = False
 ) -> tirx.PrimFunc:
     """y[m, n] = x[m, k] @ dequant(W[n, kp/8], S[n, kp/32])^T (+ b), m small (decode); kp =
-    `padded_k(k)`, the stored width (columns past k are zero weights).
+    `padded_k(k)`, the stored width (columns past k are padding).
 
-    `asym`: the asymmetric modes' weights, value q * S + M with float16 S and M [n, kp/32] (the
-    function takes M after S); otherwise (q - 8) * S with S of `dtype`.
+    `asym`: the asymmetric modes' weights, value q * scale + min, S [n, 2 kp/32] float16 with
+    each group's scale and min side by side; otherwise (q - 8) * S with S of `dtype`.
     `avx512`: True: unpack with a table lookup (the target must have AVX-512F;
     `common.has_avx512`); "vnni": int8 activations and VNNI dot products (`gemv_q4_vnni_macro`;
     the target must have AVX-512 VNNI, `common.has_avx512_vnni`), results within int8 rounding of
@@ -563,8 +603,7 @@ def gemv_q4(
     (k = 512: 34 vs 24 us, Zen 4, 2 threads)."""
     body = gemv_q4_macro(k, n, dtype, bias, avx512, asym)
     kw, kg = padded_k(k) // NIBBLES_PER_WORD, padded_k(k) // GROUP_SIZE
-    if asym:
-        return _gemv_q4_asym_func(body, k, n, kw, kg, dtype, bias)
+    ks, sdt = (2 * kg, "float16") if asym else (kg, dtype)  # the group parameters
 
     if bias:
 
@@ -572,7 +611,7 @@ def gemv_q4(
         def func(
             var_x: T.handle,
             w: T.Buffer((n, kw), "uint32"),
-            s: T.Buffer((n, kg), dtype),
+            s: T.Buffer((n, ks), sdt),
             b: T.Buffer((n,), dtype),
             var_y: T.handle,
         ):
@@ -580,9 +619,9 @@ def gemv_q4(
             x = T.match_buffer(var_x, (m, k), dtype)
             y = T.match_buffer(var_y, (m, n), dtype)
             if m == 1:
-                body(x, w, s, None, b, y, 1)
+                body(x, w, s, b, y, 1)
             else:
-                body(x, w, s, None, b, y, m)
+                body(x, w, s, b, y, m)
 
     else:
 
@@ -590,59 +629,16 @@ def gemv_q4(
         def func(
             var_x: T.handle,
             w: T.Buffer((n, kw), "uint32"),
-            s: T.Buffer((n, kg), dtype),
+            s: T.Buffer((n, ks), sdt),
             var_y: T.handle,
         ):
             m = T.int64()
             x = T.match_buffer(var_x, (m, k), dtype)
             y = T.match_buffer(var_y, (m, n), dtype)
             if m == 1:
-                body(x, w, s, None, None, y, 1)
+                body(x, w, s, None, y, 1)
             else:
-                body(x, w, s, None, None, y, m)
-
-    return scheduled(func)
-
-
-def _gemv_q4_asym_func(body, k: int, n: int, kw: int, kg: int, dtype: str, bias: bool):
-    """`gemv_q4`'s function for the asymmetric weights: (x, w, s, mn[, b], y)."""
-    g16 = "float16"
-    if bias:
-
-        @T.prim_func(private=True)
-        def func(
-            var_x: T.handle,
-            w: T.Buffer((n, kw), "uint32"),
-            s: T.Buffer((n, kg), g16),
-            mn: T.Buffer((n, kg), g16),
-            b: T.Buffer((n,), dtype),
-            var_y: T.handle,
-        ):
-            m = T.int64()
-            x = T.match_buffer(var_x, (m, k), dtype)
-            y = T.match_buffer(var_y, (m, n), dtype)
-            if m == 1:
-                body(x, w, s, mn, b, y, 1)
-            else:
-                body(x, w, s, mn, b, y, m)
-
-    else:
-
-        @T.prim_func(private=True)
-        def func(
-            var_x: T.handle,
-            w: T.Buffer((n, kw), "uint32"),
-            s: T.Buffer((n, kg), g16),
-            mn: T.Buffer((n, kg), g16),
-            var_y: T.handle,
-        ):
-            m = T.int64()
-            x = T.match_buffer(var_x, (m, k), dtype)
-            y = T.match_buffer(var_y, (m, n), dtype)
-            if m == 1:
-                body(x, w, s, mn, None, y, 1)
-            else:
-                body(x, w, s, mn, None, y, m)
+                body(x, w, s, None, y, m)
 
     return scheduled(func)
 

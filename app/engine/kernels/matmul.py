@@ -8,16 +8,16 @@ compile pipeline leaves them alone.
 Weight layout is "NT": W[N, K] row-major, so both operands of every dot product are contiguous
 along K. A 4-bit weight row is stored as uint32 words, 8 nibbles each, with one scale per group of
 32 values; value = (nibble - 8) * scale, or in the asymmetric modes nibble * scale + min with a
-float16 scale and min per group. A thread dequantizes the block of rows it owns into a
-small scratch buffer (NB rows) and reuses it for every row of X, so dequantization is fused into
-the kernel and no full-precision copy of a weight exists at run time. Decode runs the
-register-unpacking GEMV of `gemv` instead; which of the two runs is the caller's choice, never the
-row count's, because the two sum in different orders and a sequence must get the same bits
-whether it is alone in a call or batched with others.
+float16 scale and min per group (side by side in one array). A thread dequantizes the block of
+rows it owns into a small scratch buffer (NB rows) and reuses it for every row of X, so
+dequantization is fused into the kernel and no full-precision copy of a weight exists at run time.
+Decode runs the register-unpacking GEMV of `gemv` instead; which of the two runs is the caller's
+choice, never the row count's, because the two sum in different orders and a sequence must get
+the same bits whether it is alone in a call or batched with others.
 
 Any reduction size K works: the register tiles cover K // 16 vectors and a K that is not a
 multiple of 16 ends with a scalar tail (no tail code at all for the usual shapes). A 4-bit weight
-whose K is not a multiple of 32 is stored padded to whole groups with zero weights
+whose K is not a multiple of 32 is stored padded to whole groups
 (`quantization.padded_k`); the scratch rows are dequantized at the padded width and read only up
 to K.
 """
@@ -51,8 +51,8 @@ def linear_f(k: int, n: int, dtype: str, bias: bool) -> tirx.PrimFunc:
 @functools.cache  # parsing the TVMScript is most of a model's export time
 def linear_q4(k: int, n: int, dtype: str, bias: bool, asym: bool = False) -> tirx.PrimFunc:
     """Y[m, n] = X[m, k] @ dequant(Wq[n, kp/8], S[n, kp/32])^T (+ b), kp = `padded_k(k)`,
-    dequantized in-kernel. `asym`: the asymmetric modes' weights, q * S + M with float16 S and
-    M [n, kp/32] (the function takes M after S)."""
+    dequantized in-kernel. `asym`: the asymmetric modes' weights, q * scale + min, S [n, 2 kp/32]
+    float16 holding each group's scale and min side by side."""
     return _linear(k, n, dtype, bias, quantized=True, asym=asym)
 
 
@@ -72,7 +72,7 @@ def _linear(
     if asym:
 
         @T.macro
-        def fill(wbuf, w, s, mn, j0):
+        def fill(wbuf, w, s, j0):
             for jj, wd in T.grid(nb, kw):
                 for e in T.vectorized(NIBBLES_PER_WORD):
                     wbuf[jj, wd * NIBBLES_PER_WORD + e] = T.Cast(
@@ -80,12 +80,14 @@ def _linear(
                         T.bitwise_and(
                             T.shift_right(w[j0 + jj, wd], T.Cast("uint32", e * 4)), T.uint32(15)
                         ),
-                    ) * T.Cast(acc_t, s[j0 + jj, wd // 4]) + T.Cast(acc_t, mn[j0 + jj, wd // 4])
+                    ) * T.Cast(acc_t, s[j0 + jj, wd // 4 * 2]) + T.Cast(
+                        acc_t, s[j0 + jj, wd // 4 * 2 + 1]
+                    )
 
     elif quantized:
 
         @T.macro
-        def fill(wbuf, w, s, mn, j0):
+        def fill(wbuf, w, s, j0):
             for jj, wd in T.grid(nb, kw):
                 for e in T.vectorized(NIBBLES_PER_WORD):
                     wbuf[jj, wd * NIBBLES_PER_WORD + e] = T.Cast(
@@ -103,7 +105,7 @@ def _linear(
     else:
 
         @T.macro
-        def fill(wbuf, w, s, mn, j0):
+        def fill(wbuf, w, s, j0):
             for jj, kk in T.grid(nb, kl):
                 for e in T.vectorized(LANES):
                     wbuf[jj, kk * LANES + e] = T.Cast(acc_t, w[j0 + jj, kk * LANES + e])
@@ -143,13 +145,13 @@ def _linear(
                 y[i0 + ii, j0 + jt + jj] = T.Cast(dtype, red[0])
 
     @T.macro
-    def body(var_x, w, s, mn, b, var_y):
+    def body(var_x, w, s, b, var_y):
         m = T.int64()
         x = T.match_buffer(var_x, (m, k), dtype)
         y = T.match_buffer(var_y, (m, n), dtype)
         for jo in T.parallel(n // nb):
             wbuf = T.alloc_buffer((nb, kp), acc_t)
-            fill(wbuf, w, s, mn, jo * nb)
+            fill(wbuf, w, s, jo * nb)
             for io in range(m // ROW_TILE):
                 for jt in range(nb // ct):
                     tile(x, wbuf, y, b, io * ROW_TILE, ROW_TILE, jo * nb, jt * ct)
@@ -157,43 +159,18 @@ def _linear(
                 for jt in range(nb // ct):
                     tile(x, wbuf, y, b, m - m % ROW_TILE + it, 1, jo * nb, jt * ct)
 
-    g16 = "float16"
-    if asym and bias:
+    ks, sdt = (2 * kg, "float16") if asym else (kg, dtype)  # the group parameters
+    if quantized and bias:
 
         @T.prim_func(private=True)
         def func(
             var_x: T.handle,
             w: T.Buffer((n, kw), "uint32"),
-            s: T.Buffer((n, kg), g16),
-            mn: T.Buffer((n, kg), g16),
+            s: T.Buffer((n, ks), sdt),
             b: T.Buffer((n,), dtype),
             var_y: T.handle,
         ):
-            body(var_x, w, s, mn, b, var_y)
-
-    elif asym:
-
-        @T.prim_func(private=True)
-        def func(
-            var_x: T.handle,
-            w: T.Buffer((n, kw), "uint32"),
-            s: T.Buffer((n, kg), g16),
-            mn: T.Buffer((n, kg), g16),
-            var_y: T.handle,
-        ):
-            body(var_x, w, s, mn, None, var_y)
-
-    elif quantized and bias:
-
-        @T.prim_func(private=True)
-        def func(
-            var_x: T.handle,
-            w: T.Buffer((n, kw), "uint32"),
-            s: T.Buffer((n, kg), dtype),
-            b: T.Buffer((n,), dtype),
-            var_y: T.handle,
-        ):
-            body(var_x, w, s, None, b, var_y)
+            body(var_x, w, s, b, var_y)
 
     elif quantized:
 
@@ -201,10 +178,10 @@ def _linear(
         def func(
             var_x: T.handle,
             w: T.Buffer((n, kw), "uint32"),
-            s: T.Buffer((n, kg), dtype),
+            s: T.Buffer((n, ks), sdt),
             var_y: T.handle,
         ):
-            body(var_x, w, s, None, None, var_y)
+            body(var_x, w, s, None, var_y)
 
     elif bias:
 
@@ -212,12 +189,12 @@ def _linear(
         def func(
             var_x: T.handle, w: T.Buffer((n, k), dtype), b: T.Buffer((n,), dtype), var_y: T.handle
         ):
-            body(var_x, w, None, None, b, var_y)
+            body(var_x, w, None, b, var_y)
 
     else:
 
         @T.prim_func(private=True)
         def func(var_x: T.handle, w: T.Buffer((n, k), dtype), var_y: T.handle):
-            body(var_x, w, None, None, None, var_y)
+            body(var_x, w, None, None, var_y)
 
     return scheduled(func)

@@ -14,10 +14,10 @@ A 4-bit weight whose reduction size is not a multiple of the group size is store
 groups (`quantization.padded_k`); every kernel and the GPU dequantize read only the real columns,
 so the padding is invisible outside the stored layout.
 
-In the asymmetric modes a 4-bit weight also has a `min` parameter beside its `scale` (both
-float16), and the token embedding and the LM head are 8-bit (int8 values, a float16 scale per
-group: `quantization.quantize_q8`), run by `gemv.gemv_q8`; which layout a weight has is read
-from its parameters' dtypes, so `linear` needs no other flag.
+In the asymmetric modes a 4-bit weight's `scale` holds each group's float16 scale and min side by
+side, and the token embedding and the LM head are 8-bit (int8 values, a float16 scale per group:
+`quantization.quantize_q8`), run by `gemv.gemv_q8`; an int8 weight is the 8-bit layout, so
+`linear` needs no flag beyond the mode.
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ Q8_DTYPE = "int8"  # the 8-bit layout's weight dtype (the 4-bit one's is uint32 
 
 
 def _dequant_value(
-    words: te.Tensor, scale: te.Tensor, row, col, dtype: str, mins: te.Tensor | None = None
+    words: te.Tensor, scale: te.Tensor, row, col, dtype: str, asym: bool = False
 ) -> tirx.PrimExpr:
-    """Weight [row, col] of a 4-bit ((q - 8) * scale, or q * scale + min given `mins`) or 8-bit
-    (int8 `words`: q * scale) matrix, as `dtype`; the asymmetric and 8-bit forms compute in
-    float32 (q * scale is exact there) and round once."""
+    """Weight [row, col] of a 4-bit ((q - 8) * scale, or with `asym` q * scale + min, both in
+    `scale`) or 8-bit (int8 `words`: q * scale) matrix, as `dtype`; the asymmetric and 8-bit
+    forms compute in float32 (q * scale is exact there) and round once."""
     group = col // GROUP_SIZE
     if words.dtype == Q8_DTYPE:
         value = words[row, col].astype("float32") * scale[row, group].astype("float32")
@@ -46,9 +46,9 @@ def _dequant_value(
     word = words[row, col // NIBBLES_PER_WORD]
     shift = ((col % NIBBLES_PER_WORD) * 4).astype("uint32")
     nibble = tirx.bitwise_and(tirx.shift_right(word, shift), tirx.const(15, "uint32"))
-    if mins is not None:
-        value = nibble.astype("float32") * scale[row, group].astype("float32") + mins[
-            row, group
+    if asym:
+        value = nibble.astype("float32") * scale[row, 2 * group].astype("float32") + scale[
+            row, 2 * group + 1
         ].astype("float32")
         return value.astype(dtype)
     return (nibble.astype("int32") - 8).astype(dtype) * scale[row, group]
@@ -56,21 +56,19 @@ def _dequant_value(
 
 def _quantized_params(
     rows: int, cols: int, mode: QuantMode, head: bool
-) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter | None]:
-    """(weight, scale, min) of a quantized [rows, cols] matrix in `mode`: the 8-bit layout for
-    the embedding / LM head (`head`) where the mode has one, else 4-bit (min: asymmetric only)."""
+) -> tuple[nn.Parameter, nn.Parameter]:
+    """(weight, scale) of a quantized [rows, cols] matrix in `mode`: the 8-bit layout for the
+    embedding / LM head (`head`) where the mode has one, else 4-bit (asymmetric: scale and min
+    of each group side by side)."""
     kp = padded_k(cols)
     groups = kp // GROUP_SIZE
     if head and mode.head_bits == 8:
-        return (
-            nn.Parameter((rows, kp), Q8_DTYPE),
-            nn.Parameter((rows, groups), mode.group_dtype),
-            None,
-        )
-    weight = nn.Parameter((rows, kp // NIBBLES_PER_WORD), "uint32")
-    scale = nn.Parameter((rows, groups), mode.group_dtype)
-    mins = nn.Parameter((rows, groups), mode.group_dtype) if mode.asymmetric else None
-    return weight, scale, mins
+        return nn.Parameter((rows, kp), Q8_DTYPE), nn.Parameter((rows, groups), mode.group_dtype)
+    per_group = 2 if mode.asymmetric else 1
+    return (
+        nn.Parameter((rows, kp // NIBBLES_PER_WORD), "uint32"),
+        nn.Parameter((rows, groups * per_group), mode.group_dtype),
+    )
 
 
 class Linear(nn.Module):
@@ -93,19 +91,15 @@ class Linear(nn.Module):
         self.target_kind = target_kind
         self.avx512 = avx512
         if mode.quantized:
-            self.weight, self.scale, self.min = _quantized_params(
-                out_features, in_features, mode, head
-            )
+            self.weight, self.scale = _quantized_params(out_features, in_features, mode, head)
         else:
             self.weight = nn.Parameter((out_features, in_features), mode.dtype)
             self.scale = None
-            self.min = None
         self.bias = nn.Parameter((out_features,), mode.dtype) if bias else None
 
     def forward(self, x: nn.Tensor, gemv: bool = False) -> nn.Tensor:
         return linear(
-            x, self.weight, self.scale, self.bias, self.mode, self.target_kind, self.avx512, gemv,
-            self.min,
+            x, self.weight, self.scale, self.bias, self.mode, self.target_kind, self.avx512, gemv
         )
 
 
@@ -118,16 +112,15 @@ def linear(
     target_kind: str,
     avx512: bool | str = False,
     gemv: bool = False,
-    mins: nn.Tensor | None = None,
 ) -> nn.Tensor:
     """x [..., K] times weight [N, K]^T, dispatching on target and quantization; on the CPU
-    with `gemv` in the decode GEMV (`avx512`: `kernels.common.gemv_isa` of the llvm target).
-    `mins`: the group mins of an asymmetric 4-bit weight; an int8 weight is 8-bit."""
+    with `gemv` in the decode GEMV (`avx512`: `kernels.common.gemv_isa` of the llvm target). An
+    int8 weight is 8-bit (the asymmetric modes' head); other 4-bit weights follow the mode."""
     n = weight.shape[0]
     k = x.shape[-1]
     lead = list(x.shape[:-1])
     q8 = mode.quantized and weight.dtype == Q8_DTYPE
-    asym = mins is not None
+    asym = mode.asymmetric and not q8
     if target_kind == "llvm":
         rows = 1
         for d in lead:
@@ -138,29 +131,22 @@ def linear(
             # the LM head, always a few rows (one kernel for every step, as the 4-bit head's)
             func_is_gemv = True
             func = gemv_kernels.gemv_q8(int(k), int(n), mode.dtype, avx512, bias is not None)
-        elif gemv and mode.quantized and asym:
-            func = gemv_kernels.gemv_q4(int(k), int(n), mode.dtype, avx512, bias is not None, True)
         elif gemv and mode.quantized:
-            func = gemv_kernels.gemv_q4(int(k), int(n), mode.dtype, avx512, bias is not None)
+            func = gemv_kernels.gemv_q4(int(k), int(n), mode.dtype, avx512, bias is not None, asym)
         elif gemv and bias is None:
             func = gemv_kernels.gemv_f(int(k), int(n), mode.dtype)
         elif mode.quantized and avx512 == "vnni":
             # prefill too: with int8 x and VNNI the GEMV's row blocks beat the float blocked
             # kernel 2-2.5x at 128 rows, and a row's bits still do not depend on the others
             func_is_gemv = True
-            func = gemv_kernels.gemv_q4(
-                int(k), int(n), mode.dtype, avx512, bias is not None, *([True] if asym else [])
-            )
+            func = gemv_kernels.gemv_q4(int(k), int(n), mode.dtype, avx512, bias is not None, asym)
         elif mode.quantized:
-            func = matmul.linear_q4(
-                int(k), int(n), mode.dtype, bias is not None, *([True] if asym else [])
-            )
+            func = matmul.linear_q4(int(k), int(n), mode.dtype, bias is not None, asym)
         else:
             func = matmul.linear_f(int(k), int(n), mode.dtype, bias is not None)
         args = (
             [x2, weight]
             + ([scale] if scale is not None else [])
-            + ([mins] if mins is not None else [])
             + ([bias] if bias is not None else [])
         )
         out = op.tensor_ir_op(
@@ -172,13 +158,13 @@ def linear(
         return op.reshape(out, lead + [n])
     if mode.quantized and asym:
         w = op.tensor_expr_op(
-            lambda words, sc, mn: te.compute(
+            lambda words, sc: te.compute(
                 (n, k),
-                lambda i, j: _dequant_value(words, sc, i, j, mode.dtype, mn),
+                lambda i, j: _dequant_value(words, sc, i, j, mode.dtype, True),
                 name="dequantize",
             ),
             "dequantize",
-            args=[weight, scale, mins],
+            args=[weight, scale],
         )
     elif mode.quantized:
         w = op.tensor_expr_op(
@@ -216,29 +202,18 @@ class Embedding(nn.Module):
         self.avx512 = avx512
         if mode.quantized:
             # the table doubles as the LM head when tied: 8-bit in the asymmetric modes
-            self.weight, self.scale, self.min = _quantized_params(
-                vocab_size, hidden_size, mode, head=True
-            )
+            self.weight, self.scale = _quantized_params(vocab_size, hidden_size, mode, head=True)
         else:
             self.weight = nn.Parameter((vocab_size, hidden_size), mode.dtype)
             self.scale = None
-            self.min = None
 
     def forward(self, ids: nn.Tensor) -> nn.Tensor:
         """ids [n] int32 -> [n, hidden]."""
         if not self.mode.quantized:
             return op.take(self.weight, ids, axis=0)
         hidden, dtype = self.hidden_size, self.mode.dtype
-        if self.min is not None:
-            return op.tensor_expr_op(
-                lambda words, sc, mn, idx: te.compute(
-                    (idx.shape[0], hidden),
-                    lambda i, j: _dequant_value(words, sc, idx[i], j, dtype, mn),
-                    name="embed",
-                ),
-                "embed",
-                args=[self.weight, self.scale, self.min, ids],
-            )
+        # 4-bit symmetric or 8-bit (the asymmetric modes), which `_dequant_value` tells by the
+        # weight dtype
         return op.tensor_expr_op(
             lambda words, sc, idx: te.compute(
                 (idx.shape[0], hidden),
@@ -253,8 +228,7 @@ class Embedding(nn.Module):
         """Logits from hidden states with the embedding matrix as the output projection (in the
         decode GEMV: logits are a few rows, and always the same kernel)."""
         return linear(
-            x, self.weight, self.scale, None, self.mode, self.target_kind, self.avx512, gemv=True,
-            mins=self.min,
+            x, self.weight, self.scale, None, self.mode, self.target_kind, self.avx512, gemv=True
         )
 
 
