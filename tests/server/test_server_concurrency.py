@@ -96,12 +96,14 @@ def test_a_disconnected_stream_frees_its_slot(server: Server) -> None:
                       timeout=60) as r:
         assert r.status_code == 200
         lines: list[str] = []
-        for line in r.iter_lines():
+        # `next`, not a `for` left with `break`: closing the line iterator closes the
+        # connection (httpcore), which would race the scrape below
+        stream = r.iter_lines()
+        while len(lines) < 4:
+            line = next(stream)
             if line:
                 lines.append(line)
                 assert '"error"' not in line, line
-            if len(lines) == 4:
-                break
         text = scrape(server)
         assert metric(text, "localchat_running_sequences") == 1, text
     text = wait_idle(server, timeout=20)  # freed long before 2000 tokens
