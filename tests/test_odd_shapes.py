@@ -36,6 +36,8 @@ from model_oracle import rel_err, run_teacher_forced
 
 ARCHS = ["llama-odd", "qwen2-odd", "mistral-odd", "rwkv4-odd"]
 QUANTS = ["q0f32", "q4f32_1", "q4f32_asym"]
+# q4f32_asym on an untied and a tied Llama and on RWKV (Mistral's layers are Llama's: no new path)
+CASES = [(a, q) for q in QUANTS for a in ARCHS if (a, q) != ("mistral-odd", "q4f32_asym")]
 PROMPT = [int(t) for t in np.random.RandomState(11).randint(0, 999, 20)]
 STEPS = 8
 
@@ -135,8 +137,7 @@ def _tolerance(quant: str) -> float:
     return 1e-4
 
 
-@pytest.mark.parametrize("quant", QUANTS)
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch,quant", CASES)
 def test_matches_transformers(arch: str, quant: str) -> None:
     ref_tokens, ref_logits = reference(arch, quant)
     ours = model(arch, quant)

@@ -211,9 +211,9 @@ def test_float_kernels_match_numpy(k: int, n: int, bias: bool) -> None:
     [
         (2048, 16, False),  # whole units of 16 groups
         (576, 24, True),  # a unit of 16, then a pair (q8) / a partial unit of 2 (q4)
-        (896, 8, False),  # a unit of 16, then 3 units of 4 (q4) / 6 pairs (q8)
         (1000, 8, True),  # k % 32 = 8: a padded last group
-        (344, 12, False),  # no unit of 16; q8: 5 pairs and an odd group
+        (344, 12, False),  # no unit of 16: 2 units of 4 and a partial one (q4); 5 pairs and an
+        # odd group (q8)
         (9, 7, True),  # less than one group
     ],
 )
