@@ -3,16 +3,18 @@ llama-cpp-python's OpenAI server on the same GGUF (SmolLM2-135M-Instruct).
 
 One load generator (asyncio) sends N concurrent streaming chat requests of 128 output
 tokens each (EOS banned with logit_bias so every reply has the same length) and reports the
-aggregate output tok/s, p50 and p95 time to first token and p50 inter-token latency. It reads
-the streams over plain HTTP/1.1 connections (`--client raw`, the default) because on a small
-machine the load generator's own CPU per token is taken from the server it measures: httpx
-(`--client httpx`) costs about twice as much per chunk. Both servers get the same client. The
+aggregate output tok/s, p50 and p95 time to first token and p50 inter-token latency. The client
+is httpx (`--client httpx`, the default); `--client raw` reads the streams over plain HTTP/1.1
+connections at about half httpx's CPU per chunk (on a small machine the load generator's CPU
+is taken from the server it measures), but it slows llama_cpp.server's streams (ITL about
+21 ms against 12 with httpx, cause not found), so it is not the default. Both servers get the
+same client. The
 single-stream baseline is the engine in-process (what `localchat run` does). Each row is
 the best of --repeat rounds after a warm-up at its width (the machine may be shared). Targets: at 16
 streams >= 4x llama-cpp-python's aggregate throughput; at 1 stream within 10% of `run`.
 
     python bench/bench_serve.py [--quant q4f32_1] [--streams 1 4 16] [--threads 2]
-                                [--repeat 3] [--client raw|httpx] [--skip-llama-cpp]
+                                [--repeat 3] [--client httpx|raw] [--skip-llama-cpp]
 
 llama-cpp-python's server needs its `server` extra (pip install 'llama-cpp-python[server]');
 without it its rows print "-".
@@ -246,8 +248,9 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3, help="rounds per row (best kept)")
-    parser.add_argument("--client", choices=["raw", "httpx"], default="raw",
-                        help="the load generator's HTTP client (default: raw, the lightest)")
+    parser.add_argument("--client", choices=["httpx", "raw"], default="httpx",
+                        help="the load generator's HTTP client (raw: lighter, but it slows "
+                             "llama_cpp.server's streams)")
     parser.add_argument("--skip-llama-cpp", action="store_true")
     args = parser.parse_args()
 
