@@ -112,17 +112,23 @@ def _unpack_nibbles(words: np.ndarray) -> np.ndarray:
     return ((words[..., None] >> shifts) & 15).astype(np.int32).reshape(n, kw * NIBBLES_PER_WORD)
 
 
-def quantize_q4(weight: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
-    """Pack a float [N, K] matrix into (uint32 words [N, Kp/8], scales [N, Kp/32] of `dtype`),
-    Kp = `padded_k(K)`: the columns past K are zero weights."""
+def _groups(weight: np.ndarray, bits: int, edge: bool = False) -> tuple[int, int, np.ndarray]:
+    """(N, Kp, float32 groups [N, Kp/32, 32]) of a float [N, K] matrix padded to Kp =
+    `padded_k(K)`: with zeros, or with each row's last value (`edge`)."""
     if weight.ndim != 2:
-        raise QuantizationError(f"cannot 4-bit quantize a tensor of shape {weight.shape}")
+        raise QuantizationError(f"cannot {bits}-bit quantize a tensor of shape {weight.shape}")
     n, k = weight.shape
     kp = padded_k(k)
     weight = weight.astype(np.float32)
     if kp != k:
-        weight = np.pad(weight, ((0, 0), (0, kp - k)))
-    groups = weight.reshape(n, kp // GROUP_SIZE, GROUP_SIZE)
+        weight = np.pad(weight, ((0, 0), (0, kp - k)), mode="edge" if edge else "constant")
+    return n, kp, weight.reshape(n, kp // GROUP_SIZE, GROUP_SIZE)
+
+
+def quantize_q4(weight: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """Pack a float [N, K] matrix into (uint32 words [N, Kp/8], scales [N, Kp/32] of `dtype`),
+    Kp = `padded_k(K)`: the columns past K are zero weights."""
+    n, kp, groups = _groups(weight, 4)
     scale = (np.abs(groups).max(axis=-1) / 7.0).astype(dtype)
     # Divide by the scale as stored, so dequantization reproduces the rounding we chose here.
     safe = np.where(scale == 0, 1.0, scale.astype(np.float32))
@@ -134,14 +140,7 @@ def quantize_q4_asym(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Pack a float [N, K] matrix asymmetrically into (uint32 words [N, Kp/8], float16 scales
     and mins [N, 2 Kp/32], side by side), Kp = `padded_k(K)`; value = q * scale + min. The
     columns past K repeat each row's last value (not 0: kernels read only the first K)."""
-    if weight.ndim != 2:
-        raise QuantizationError(f"cannot 4-bit quantize a tensor of shape {weight.shape}")
-    n, k = weight.shape
-    kp = padded_k(k)
-    weight = weight.astype(np.float32)
-    if kp != k:
-        weight = np.pad(weight, ((0, 0), (0, kp - k)), mode="edge")
-    groups = weight.reshape(n, kp // GROUP_SIZE, GROUP_SIZE)
+    n, kp, groups = _groups(weight, 4, edge=True)
     low = groups.min(axis=-1).astype(np.float16)
     # The range from the min as stored, and q from the scale and min as stored, so that
     # dequantization reproduces the rounding chosen here.
@@ -188,14 +187,7 @@ def dequantize_q4(
 def quantize_q8(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Pack a float [N, K] matrix into (int8 values [N, Kp], float16 scales [N, Kp/32]), Kp =
     `padded_k(K)`, value = q * scale (llama.cpp's Q8_0); the columns past K are 0."""
-    if weight.ndim != 2:
-        raise QuantizationError(f"cannot 8-bit quantize a tensor of shape {weight.shape}")
-    n, k = weight.shape
-    kp = padded_k(k)
-    weight = weight.astype(np.float32)
-    if kp != k:
-        weight = np.pad(weight, ((0, 0), (0, kp - k)))
-    groups = weight.reshape(n, kp // GROUP_SIZE, GROUP_SIZE)
+    n, kp, groups = _groups(weight, 8)
     with np.errstate(over="ignore"):
         scale = (np.abs(groups).max(axis=-1) / np.float32(127)).astype(np.float16)
     if not np.isfinite(scale).all():
