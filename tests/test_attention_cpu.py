@@ -329,3 +329,47 @@ def test_falls_back_for_inline_rope_and_other_targets():
 def test_kernels_reject_bad_heads():
     with pytest.raises(ValueError):
         attention.attention_decode_paged_cpu(3, 4, 32, "float32")
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+@pytest.mark.parametrize("scaling,rotary_dim", [({}, 64), (LLAMA3_ROPE, 64), ({}, 32)],
+                         ids=["default", "llama3", "partial"])
+def test_split_rotary_matches_tvms_kernel(scaling: dict, rotary_dim: int) -> None:
+    """Our split-and-rotate kernel gives TVM's outputs, rope on and off, for one token (the
+    serial branch) and for many (the parallel one), at positions where the angles are large."""
+    from tvm.relax.frontend.nn.llm.kv_cache import llama_rope_with_position_map
+
+    h_q, h_kv, d = 9, 3, 64
+    args = (500000.0, 1.0, d, h_q, h_kv, "float32", scaling, rotary_dim)
+
+    def build(func):
+        return tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
+                           TARGET)["main"]
+
+    ours = build(attention.split_rotary_cpu(*args))
+    theirs = build(llama_rope_with_position_map(*args))
+    rng = np.random.default_rng(0)
+    dev = tvm.cpu()
+    for n in (1, 37):
+        qkv = tvm.runtime.tensor(rng.standard_normal((n, h_q + 2 * h_kv, d), dtype=np.float32), dev)
+        pos = tvm.runtime.tensor(rng.integers(0, 100_000, n, dtype=np.int32), dev)
+        for apply_rope in (1, 0):
+            outs = []
+            for fn in (ours, theirs):
+                q, k, v = (tvm.runtime.tensor(np.full((n, h, d), np.nan, np.float32), dev)
+                           for h in (h_q, h_kv, h_kv))
+                fn(qkv, pos, q, k, v, apply_rope)
+                outs.append([a.numpy() for a in (q, k, v)])
+            for a, b in zip(*outs, strict=True):
+                np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+            if not apply_rope:  # a plain split
+                np.testing.assert_array_equal(outs[0][0], qkv.numpy()[:, :h_q])
+
+
+def test_split_rotary_leaves_other_scalings_to_tvm() -> None:
+    yarn = {"rope_type": "yarn", "factor": 4.0}
+    assert attention.split_rotary_cpu(1e4, 1.0, 64, 4, 2, "float32", yarn, 64) is None
+    assert attention.split_rotary_cpu(1e4, 1.0, 64, 4, 2, "float32", {}, 63) is None

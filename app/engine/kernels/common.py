@@ -11,6 +11,8 @@ that they take effect).
 
 from __future__ import annotations
 
+import math
+
 from tvm import tirx
 from tvm.script import tirx as T
 from tvm.target import Target
@@ -26,6 +28,7 @@ __all__ = [
     "SCHEDULED_ATTRS",
     "WORDS_PER_GROUP",
     "divisor",
+    "exp2",
     "gemv_isa",
     "has_avx512",
     "has_avx512_vnni",
@@ -39,6 +42,22 @@ WORDS_PER_GROUP = GROUP_SIZE // NIBBLES_PER_WORD  # 4 uint32 words hold one grou
 LANES = 16  # float32 lanes of one AVX-512 register
 GPU_THREADS = 64  # threads per block of the GPU scan kernel
 GPU_COPY_THREADS = 256  # threads per block of the GPU state-copy kernels
+
+
+
+def exp2(x):
+    """2**x for float32 (scalar or vector) x, by 2**round(x) * poly(frac); ~2e-7 relative error.
+
+    x is clamped to [-126, 127]. Unlike a call to libm's exp, it vectorizes."""
+    x = T.max(T.min(x, T.float32(127.0)), T.float32(-126.0))
+    n = T.floor(x + T.float32(0.5))
+    y = (x - n) * T.float32(math.log(2.0))  # |y| <= ln(2)/2
+    p = T.float32(1.0 / 720)
+    for c in (1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0):
+        p = p * y + T.float32(c)
+    two_n = T.reinterpret("float32", T.shift_left(T.Cast("int32", n) + 127, 23))
+    return p * two_n
+
 
 # The attributes every hand-scheduled kernel carries, in the spelling TVM 0.27 honours.
 SCHEDULED_ATTRS = {"tirx.noalias": True, "tirx.is_scheduled": True}

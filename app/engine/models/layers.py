@@ -26,8 +26,8 @@ from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
+from localchat.engine.kernels import elementwise, matmul
 from localchat.engine.kernels import gemv as gemv_kernels
-from localchat.engine.kernels import matmul
 from localchat.engine.quantization import GROUP_SIZE, NIBBLES_PER_WORD, QuantMode, padded_k
 
 Q8_DTYPE = "int8"  # the 8-bit layout's weight dtype (the 4-bit one's is uint32 words)
@@ -182,6 +182,40 @@ def linear(
     if bias is not None:
         out = out + bias
     return out
+
+
+def _rowwise(func, name: str, x: nn.Tensor, extra: list[nn.Tensor], n_out: int) -> nn.Tensor:
+    """A row-wise CPU kernel on x [b, s, K] (no reshapes: each would be a copy kernel)."""
+    b, s = x.shape[0], x.shape[1]
+    return op.tensor_ir_op(
+        func, name, args=[x, *extra], out=nn.Tensor.placeholder((b, s, n_out), x.dtype)
+    )
+
+
+class RMSNorm(nn.RMSNorm):
+    """RMSNorm over the last axis, without bias; on the CPU the scheduled row kernel
+    (`kernels.elementwise.rms_norm`), elsewhere TVM's operator."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: str, target_kind: str) -> None:
+        super().__init__(hidden_size, -1, eps, bias=False, dtype=dtype)
+        self.target_kind = target_kind
+
+    def forward(self, x: nn.Tensor) -> nn.Tensor:
+        if self.target_kind != "llvm":
+            return super().forward(x)
+        n = int(x.shape[-1])
+        func = elementwise.rms_norm(n, float(self.epsilon), str(x.dtype))
+        return _rowwise(func, "rms_norm", x, [self.weight], n)
+
+
+def silu_mul(gate_up: nn.Tensor, target_kind: str) -> nn.Tensor:
+    """silu(gate) * up for gate_up [..., 2F] = [gate | up]; on the CPU one scheduled kernel
+    (`kernels.elementwise.silu_mul`)."""
+    if target_kind != "llvm":
+        gate, up = op.split(gate_up, 2, axis=-1)
+        return op.silu(gate) * up
+    f = int(gate_up.shape[-1]) // 2
+    return _rowwise(elementwise.silu_mul(f, str(gate_up.dtype)), "silu_mul", gate_up, [], f)
 
 
 class Embedding(nn.Module):

@@ -23,7 +23,7 @@ from tvm.target import Target
 from localchat.engine.kernels.attention import create_paged_kv_cache_cpu
 from localchat.engine.kernels.common import gemv_isa
 from localchat.engine.models import Architecture
-from localchat.engine.models.layers import Embedding, Linear, take_last_token
+from localchat.engine.models.layers import Embedding, Linear, RMSNorm, silu_mul, take_last_token
 from localchat.engine.quantization import QuantMode
 from localchat.errors import ModelConfigError, UnsupportedModelError
 
@@ -143,20 +143,18 @@ class LlamaMLP(nn.Module):
         h, f = cfg.hidden_size, cfg.intermediate_size
         self.gate_up_proj = Linear(h, 2 * f, False, mode, tk, avx512)
         self.down_proj = Linear(f, h, False, mode, tk, avx512)
+        self.target_kind = tk
 
     def forward(self, x: nn.Tensor, gemv: bool) -> nn.Tensor:
-        gate, up = op.split(self.gate_up_proj(x, gemv), 2, axis=-1)
-        return self.down_proj(op.silu(gate) * up, gemv)
+        return self.down_proj(silu_mul(self.gate_up_proj(x, gemv), self.target_kind), gemv)
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: LlamaConfig, mode: QuantMode, tk: str, avx512: bool) -> None:
         eps = cfg.rms_norm_eps
-        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, -1, eps, bias=False, dtype=mode.dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, mode.dtype, tk)
         self.self_attn = LlamaAttention(cfg, mode, tk, avx512)
-        self.post_attention_layernorm = nn.RMSNorm(
-            cfg.hidden_size, -1, eps, bias=False, dtype=mode.dtype
-        )
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, mode.dtype, tk)
         self.mlp = LlamaMLP(cfg, mode, tk, avx512)
 
     def forward(self, x: nn.Tensor, cache: PagedKVCache, layer_id: int, gemv: bool) -> nn.Tensor:
@@ -170,7 +168,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             [LlamaDecoderLayer(cfg, mode, tk, avx512) for _ in range(cfg.num_hidden_layers)]
         )
-        self.norm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False, dtype=mode.dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, mode.dtype, tk)
 
     def forward(self, x: nn.Tensor, cache: PagedKVCache, gemv: bool = False) -> nn.Tensor:
         """The decoder stack; `gemv`: a decode step (one token per sequence), whose Linears run
