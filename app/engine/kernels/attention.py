@@ -34,7 +34,6 @@ sliding-window variants are left to TVM's kernels (`create_paged_kv_cache_cpu` f
 
 from __future__ import annotations
 
-import math
 from typing import Any, Literal
 
 import tvm
@@ -45,7 +44,7 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedK
 from tvm.script import tirx as T
 from tvm.target import Target
 
-from localchat.engine.kernels.common import LANES, exp2, scheduled, vec_width
+from localchat.engine.kernels.common import LANES, LOG2E, exp2, scheduled, vec_width
 
 # LANES (16 float32 lanes of one AVX-512 register) is also the query rows per prefill work item.
 KEY_BLOCK = 64  # keys per online-softmax step in prefill
@@ -54,7 +53,6 @@ DECODE_SPLITS = 4  # most KV ranges one decode sequence is split into
 DECODE_MIN_SPLIT = 64  # fewest keys in a decode split
 NEG_INF = -1.0e30  # "minus infinity" that stays finite through subtraction
 EMPTY_LSE = -5.0e4  # lse of a query with no keys (TVM's kernels use the same value)
-LOG2E = math.log2(math.e)
 TARGET_ACCUMULATORS = 24  # vector registers given to an accumulator tile (of 32 zmm)
 
 
@@ -746,6 +744,21 @@ def split_rotary_cpu(
         return expr
 
     @T.macro
+    def rotate(qkv, out, t, h, src, cs, sn):
+        # out[t, h] = head `src` of qkv[t], its first rotary_dim features rotated
+        for i in T.vectorized(half):
+            out[t, h, i] = T.Cast(
+                dtype,
+                T.Cast(f32, qkv[t, src, i]) * cs[i] - T.Cast(f32, qkv[t, src, i + half]) * sn[i],
+            )
+            out[t, h, i + half] = T.Cast(
+                dtype,
+                T.Cast(f32, qkv[t, src, i + half]) * cs[i] + T.Cast(f32, qkv[t, src, i]) * sn[i],
+            )
+        for d in range(head_dim - rotary_dim):
+            out[t, h, rotary_dim + d] = qkv[t, src, rotary_dim + d]
+
+    @T.macro
     def one_token(qkv, position_map, q, k, v, apply_rope, t):
         cs = T.alloc_buffer((half,), f32)
         sn = T.alloc_buffer((half,), f32)
@@ -753,31 +766,9 @@ def split_rotary_cpu(
             cs[i] = T.if_then_else(apply_rope > 0, _angle(position_map[t], i, 0), 1.0)
             sn[i] = T.if_then_else(apply_rope > 0, _angle(position_map[t], i, 1), 0.0)
         for h in range(h_q):
-            for i in T.vectorized(half):
-                q[t, h, i] = T.Cast(
-                    dtype,
-                    T.Cast(f32, qkv[t, h, i]) * cs[i] - T.Cast(f32, qkv[t, h, i + half]) * sn[i],
-                )
-                q[t, h, i + half] = T.Cast(
-                    dtype,
-                    T.Cast(f32, qkv[t, h, i + half]) * cs[i] + T.Cast(f32, qkv[t, h, i]) * sn[i],
-                )
-            for d in range(head_dim - rotary_dim):
-                q[t, h, rotary_dim + d] = qkv[t, h, rotary_dim + d]
+            rotate(qkv, q, t, h, h, cs, sn)
         for h in range(h_kv):
-            for i in T.vectorized(half):
-                k[t, h, i] = T.Cast(
-                    dtype,
-                    T.Cast(f32, qkv[t, h_q + h, i]) * cs[i]
-                    - T.Cast(f32, qkv[t, h_q + h, i + half]) * sn[i],
-                )
-                k[t, h, i + half] = T.Cast(
-                    dtype,
-                    T.Cast(f32, qkv[t, h_q + h, i + half]) * cs[i]
-                    + T.Cast(f32, qkv[t, h_q + h, i]) * sn[i],
-                )
-            for d in range(head_dim - rotary_dim):
-                k[t, h, rotary_dim + d] = qkv[t, h_q + h, rotary_dim + d]
+            rotate(qkv, k, t, h, h_q + h, cs, sn)
             for d in T.vectorized(head_dim):
                 v[t, h, d] = qkv[t, h_q + h_kv + h, d]
 

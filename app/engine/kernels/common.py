@@ -24,6 +24,7 @@ __all__ = [
     "GPU_THREADS",
     "GROUP_SIZE",
     "LANES",
+    "LOG2E",
     "NIBBLES_PER_WORD",
     "SCHEDULED_ATTRS",
     "WORDS_PER_GROUP",
@@ -42,7 +43,7 @@ WORDS_PER_GROUP = GROUP_SIZE // NIBBLES_PER_WORD  # 4 uint32 words hold one grou
 LANES = 16  # float32 lanes of one AVX-512 register
 GPU_THREADS = 64  # threads per block of the GPU scan kernel
 GPU_COPY_THREADS = 256  # threads per block of the GPU state-copy kernels
-
+LOG2E = math.log2(math.e)
 
 
 def exp2(x):

@@ -11,16 +11,14 @@ A row's result never depends on the other rows.
 from __future__ import annotations
 
 import functools
-import math
 
 from tvm import tirx
 from tvm.script import tirx as T
 
-from localchat.engine.kernels.common import LANES, exp2, scheduled
+from localchat.engine.kernels.common import LANES, LOG2E, exp2, scheduled
 
 SERIAL_ROWS = 2  # up to this many rows the kernels run on the calling thread
 F32 = "float32"
-LOG2E = 1.0 / math.log(2.0)
 OPAQUE = 8  # Relax's op pattern for a kernel that fusion leaves whole (it has no blocks)
 
 
@@ -30,25 +28,19 @@ def silu_mul(n: int, dtype: str) -> tirx.PrimFunc:
     projection), silu(g) = g / (1 + e^-g), computed in float32."""
     vecs, tail = divmod(n, LANES)
 
+    def gated(x, i, j, c):
+        g = T.Cast(F32, x[i, j, c])
+        return T.Cast(
+            dtype, g / (T.float32(1) + exp2(g * T.float32(-LOG2E))) * T.Cast(F32, x[i, j, n + c])
+        )
+
     @T.macro
     def row(x, y, i, j):
         for c in range(vecs):
             for e in T.vectorized(LANES):
-                g: T.let[T.float32] = T.Cast(F32, x[i, j, c * LANES + e])
-                y[i, j, c * LANES + e] = T.Cast(
-                    dtype,
-                    g
-                    / (T.float32(1) + exp2(g * T.float32(-LOG2E)))
-                    * T.Cast(F32, x[i, j, n + c * LANES + e]),
-                )
+                y[i, j, c * LANES + e] = gated(x, i, j, c * LANES + e)
         for e in range(tail):
-            g: T.let[T.float32] = T.Cast(F32, x[i, j, vecs * LANES + e])
-            y[i, j, vecs * LANES + e] = T.Cast(
-                dtype,
-                g
-                / (T.float32(1) + exp2(g * T.float32(-LOG2E)))
-                * T.Cast(F32, x[i, j, n + vecs * LANES + e]),
-            )
+            y[i, j, vecs * LANES + e] = gated(x, i, j, vecs * LANES + e)
 
     @T.prim_func(private=True, s_tir=True)
     def func(var_x: T.handle, var_y: T.handle):
@@ -74,6 +66,12 @@ def rms_norm(n: int, eps: float, dtype: str) -> tirx.PrimFunc:
     partial sums per row, added in a fixed order)."""
     vecs, tail = divmod(n, LANES)
 
+    def square(x, i, j, c):
+        return T.Cast(F32, x[i, j, c]) * T.Cast(F32, x[i, j, c])
+
+    def scaled(x, w, i, j, c, inv_rms):
+        return T.Cast(dtype, T.Cast(F32, x[i, j, c]) * inv_rms * T.Cast(F32, w[c]))
+
     @T.macro
     def row(x, w, y, i, j):
         acc = T.alloc_buffer((LANES,), F32)
@@ -82,30 +80,18 @@ def rms_norm(n: int, eps: float, dtype: str) -> tirx.PrimFunc:
             acc[e] = T.float32(0)
         for c in range(vecs):
             for e in T.vectorized(LANES):
-                acc[e] = acc[e] + T.Cast(F32, x[i, j, c * LANES + e]) * T.Cast(
-                    F32, x[i, j, c * LANES + e]
-                )
+                acc[e] = acc[e] + square(x, i, j, c * LANES + e)
         total[0] = T.float32(0)
         for e in range(LANES):
             total[0] = total[0] + acc[e]
         for e in range(tail):
-            total[0] = total[0] + T.Cast(F32, x[i, j, vecs * LANES + e]) * T.Cast(
-                F32, x[i, j, vecs * LANES + e]
-            )
+            total[0] = total[0] + square(x, i, j, vecs * LANES + e)
         total[0] = T.rsqrt(total[0] / T.float32(n) + T.float32(eps))
         for c in range(vecs):
             for e in T.vectorized(LANES):
-                y[i, j, c * LANES + e] = T.Cast(
-                    dtype,
-                    T.Cast(F32, x[i, j, c * LANES + e]) * total[0] * T.Cast(F32, w[c * LANES + e]),
-                )
+                y[i, j, c * LANES + e] = scaled(x, w, i, j, c * LANES + e, total[0])
         for e in range(tail):
-            y[i, j, vecs * LANES + e] = T.Cast(
-                dtype,
-                T.Cast(F32, x[i, j, vecs * LANES + e])
-                * total[0]
-                * T.Cast(F32, w[vecs * LANES + e]),
-            )
+            y[i, j, vecs * LANES + e] = scaled(x, w, i, j, vecs * LANES + e, total[0])
 
     @T.prim_func(private=True)
     def func(var_x: T.handle, w: T.Buffer((n,), dtype), var_y: T.handle):
