@@ -48,6 +48,9 @@ def target_key(target: Target) -> str:
     kind = target.kind.name
     attrs = target.attrs
     detail = str(attrs.get("mcpu", "") or attrs.get("arch", "") or "")
+    mattr = [str(a) for a in attrs.get("mattr", None) or []]
+    if mattr:  # features turned off (a CPU whose hypervisor hides AVX-512): its own name
+        detail += "-" + hashlib.sha256(",".join(mattr).encode()).hexdigest()[:6]
     return f"{kind}-{detail}" if detail else kind
 
 

@@ -25,13 +25,58 @@ class Device:
         return tvm.device(self.kind, 0)
 
 
-def cpu_target() -> Target:
-    """llvm for this very CPU, so LLVM uses its vector extensions (AVX2/AVX-512/NEON)."""
+# LLVM feature name -> the /proc/cpuinfo flag that says the OS lets programs use it. LLVM names
+# the host CPU by its family and model (say znver4), which implies AVX-512; a hypervisor may
+# still hide AVX-512 or AMX from its guests, and code using them then dies of SIGILL.
+_CPUINFO_FLAGS = {
+    "avx512f": "avx512f",
+    "avx512bw": "avx512bw",
+    "avx512dq": "avx512dq",
+    "avx512vl": "avx512vl",
+    "avx512vnni": "avx512_vnni",
+    "avx512bf16": "avx512_bf16",
+    "avx512fp16": "avx512_fp16",
+    "avxvnni": "avx_vnni",
+    "amx-tile": "amx_tile",
+    "amx-int8": "amx_int8",
+    "amx-bf16": "amx_bf16",
+}
+
+
+def _os_cpu_flags() -> set[str] | None:
+    """The flags of /proc/cpuinfo's first processor (None where there is no such file)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        return None
+    return None
+
+
+def hidden_cpu_features(mcpu: str, flags: set[str] | None) -> list[str]:
+    """The LLVM features `mcpu` implies that the OS does not report (to turn off)."""
+    if not flags:
+        return []
     from tvm.target import codegen
 
-    return Target(
-        {"kind": "llvm", "mcpu": codegen.llvm_get_system_cpu(), "num-cores": os.cpu_count() or 1}
-    )
+    probe = Target({"kind": "llvm", "mcpu": mcpu})
+    return [feature for feature, flag in _CPUINFO_FLAGS.items()
+            if flag not in flags and codegen.llvm_cpu_has_features([feature], probe)]
+
+
+def cpu_target() -> Target:
+    """llvm for this very CPU, so LLVM uses its vector extensions (AVX2/AVX-512/NEON), less
+    any the OS hides (see `hidden_cpu_features`)."""
+    from tvm.target import codegen
+
+    mcpu = codegen.llvm_get_system_cpu()
+    spec: dict[str, object] = {"kind": "llvm", "mcpu": mcpu, "num-cores": os.cpu_count() or 1}
+    hidden = hidden_cpu_features(mcpu, _os_cpu_flags())
+    if hidden:
+        spec["mattr"] = [f"-{feature}" for feature in hidden]
+    return Target(spec)
 
 
 def cuda_target(arch: str | None = None) -> Target:
