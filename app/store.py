@@ -4,11 +4,16 @@ Layout (``LOCALCHAT_HOME`` puts everything under one directory)::
 
     <data>/models/<name>/<quantization>/localchat-config.json   one model directory
     <data>/models/<name>/<quantization>/lib/<target>-<key>.so    its compiled libraries
+    <data>/models/.defaults/<name>                               a name's default quantization
     <data>/models/.locks/                                        one lock file per model
     <cache>/downloads/                                           source files of pulls
     <cache>/libs/                                                compiled-library cache
 
 The model-directory format itself (config schema, library names) is `localchat.engine.model_dir`.
+
+Names work as in Ollama: a bare `name` means `name:<its default quantization>` (the one the first
+pull of the name made, or the one a later `pull NAME` without `--quant` made); `name:quant` means
+that one. `resolve` is the one resolver of a model reference every front end goes through.
 
 A model directory is built in a hidden sibling (``.staging-*``) and renamed into place, so a
 half-finished pull is never listed; leftovers of a killed pull are removed by the next one.
@@ -32,6 +37,7 @@ from localchat.errors import LocalchatError, ModelConfigError, ModelNotFoundErro
 from localchat.paths import cache_dir, data_dir
 
 _STAGING = ".staging-"
+_DEFAULTS = ".defaults"  # under models/: one file per name, the quantization a bare name means
 _TRASH = ".trash-"
 
 
@@ -245,22 +251,62 @@ class Store:
         """The model `name` at `quantization`, or None if it is not in the store."""
         return self._model_at(self.model_dir(name, quantization))
 
+    def find_all(self, name: str) -> list[StoredModel]:
+        """Every stored quantization of `name` (a bare name; `name:quant` is cut at the colon)."""
+        bare = name.strip().rpartition(":")[0] if ":" in name else name.strip()
+        key = safe_name(bare).lower()
+        return [m for m in self.models() if safe_name(m.name).lower() == key]
+
     def find(self, ref: str, quantization: str | None = None) -> list[StoredModel]:
-        """Stored models matching `name`, `name:quantization` or a name plus `quantization`."""
+        """The stored models `ref` names: `name:quant` (or a name plus `quantization`) that one,
+        a bare `name` its default quantization (see `default_quantization`); [] when none."""
         name, _, quant = ref.strip().rpartition(":") if ":" in ref else (ref.strip(), "", "")
         quant = quant or quantization or ""
-        key = safe_name(name).lower()
-        matches = [m for m in self.models() if safe_name(m.name).lower() == key]
+        matches = self.find_all(name)
         if quant:
-            matches = [m for m in matches if m.quantization == quant]
-        return matches
+            return [m for m in matches if m.quantization == quant]
+        default = self._default_among(matches)
+        return [default] if default is not None else []
 
-    def resolve(self, name_or_path: str | Path, quantization: str | None = None,
-                prefer: tuple[str, ...] = ()) -> Path:
-        """The model directory for a store reference or a path to a model directory.
+    def _default_file(self, name: str) -> Path:
+        return self.models_dir / _DEFAULTS / safe_name(name)
 
-        A name with several quantizations picks the first of `prefer` present, else fails
-        listing them. Raises ModelNotFoundError with close matches when nothing fits.
+    def _default_among(self, matches: list[StoredModel]) -> StoredModel | None:
+        """Which of one name's stored quantizations a bare name means: the recorded default
+        when it is still stored, else the only one, else the most recently pulled."""
+        if not matches:
+            return None
+        if len(matches) == 1:
+            return matches[0]
+        try:
+            recorded = self._default_file(matches[0].name).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError, StoreError):
+            recorded = ""
+        for m in matches:
+            if m.quantization == recorded:
+                return m
+        return max(matches, key=lambda m: (str(m.config.get("pulled_at") or ""),
+                                           m.path.stat().st_mtime if m.path.exists() else 0.0))
+
+    def default_quantization(self, name: str) -> str | None:
+        """The quantization a bare `name` means, or None when the name is not stored."""
+        model = self._default_among(self.find_all(name))
+        return model.quantization if model is not None else None
+
+    def set_default(self, name: str, quantization: str) -> None:
+        """Record `quantization` as what a bare `name` means (the model need not exist yet)."""
+        path = self._default_file(name)
+        path.parent.mkdir(mode=md.DIR_MODE, parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(quantization + "\n", encoding="utf-8")
+        os.chmod(tmp, md.FILE_MODE)
+        os.replace(tmp, path)
+
+    def resolve(self, name_or_path: str | Path, quantization: str | None = None) -> Path:
+        """The model directory for a store reference (`name` is its default quantization,
+        `name:quant` that one) or a path to a model directory.
+
+        Raises ModelNotFoundError with close matches when nothing fits.
         """
         path = Path(name_or_path).expanduser()
         if md.is_model_dir(path):
@@ -272,23 +318,30 @@ class Store:
             matches = []
         if len(matches) == 1:
             return _healthy(matches[0]).path
-        if len(matches) > 1:
-            for q in prefer:
-                for m in matches:
-                    if m.quantization == q:
-                        return _healthy(m).path
-            refs = ", ".join(m.ref for m in matches)
-            raise ModelNotFoundError(f"{ref!r} is stored in several quantizations: {refs}")
         if path.exists():
             raise ModelNotFoundError(f"{path} is not a model directory (no {md.CONFIG_FILE})")
-        from localchat.recipes import close_matches
+        raise self.not_found(ref)
 
-        names = {m.name for m in self.models()} | {m.ref for m in self.models()}
-        near = close_matches(ref, names)
+    def not_found(self, ref: str) -> ModelNotFoundError:
+        """The error for a reference nothing in the store matches: close stored names, and the
+        `pull` that gets it only when the name is one `pull` knows (a recipe)."""
+        from localchat.recipes import close_matches, known_recipe_names
+
+        stored = self.models()
+        name, _, quant = ref.rpartition(":") if ":" in ref else (ref, "", "")
+        others = [m.ref for m in stored if m.name.lower() == name.lower()]
+        if others:
+            return ModelNotFoundError(
+                f"no model {ref!r} in the store; {name} is stored as {', '.join(others)}. Get "
+                f"{quant} with `localchat pull {name} --quant {quant}`.", suggestions=others)
+        recipes = known_recipe_names()
+        near = close_matches(ref, {m.name for m in stored} | {m.ref for m in stored}
+                             | set(recipes))
         hint = f" Did you mean: {', '.join(near)}?" if near else ""
-        raise ModelNotFoundError(
-            f"no model {ref!r} in the store ({self.models_dir}).{hint} "
-            f"Get it with `localchat pull {ref.split(':')[0]}`.",
+        pull = (f" Get it with `localchat pull {name}`." if name in recipes
+                else " `localchat list --available` shows the models `localchat pull` knows.")
+        return ModelNotFoundError(
+            f"no model {ref!r} in the store ({self.models_dir}).{hint}{pull}",
             suggestions=near,
         )
 
@@ -371,9 +424,19 @@ class Store:
                                   repair=repair or f"localchat pull {name} --quant {quantization}")
                 md.share_modes(tmp)
                 self._commit(tmp, final)
+                self._keep_a_default(name, quantization)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
+
+    def _keep_a_default(self, name: str, quantization: str) -> None:
+        """The first quantization of a name becomes its default (kept while it is stored)."""
+        try:
+            recorded = self._default_file(name).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            recorded = ""
+        if not recorded or not md.is_model_dir(self.model_dir(name, recorded)):
+            self.set_default(name, quantization)
 
     def _commit(self, tmp: Path, final: Path) -> None:
         """Rename the staged directory into place, moving an old version aside first."""
@@ -397,9 +460,11 @@ class Store:
             suffix = Path(library).suffix if Path(library).suffix in md.LIB_SUFFIXES else ".so"
             return md.install_library(model, library, f"{safe_name(library_name)}{suffix}")
 
-    def remove(self, ref: str, quantization: str | None = None) -> list[StoredModel]:
-        """Delete the models matching `ref` (all quantizations of a bare name); returns them."""
-        matches = self.find(ref, quantization)
+    def remove(self, ref: str, quantization: str | None = None, *,
+               every_quantization: bool = False) -> list[StoredModel]:
+        """Delete what `ref` names (see `find`; every quantization of the name with
+        `every_quantization`); returns the removed models."""
+        matches = self.find_all(ref) if every_quantization else self.find(ref, quantization)
         if not matches:
             raise ModelNotFoundError(f"no model {ref!r} in the store")
         for model in matches:
@@ -412,8 +477,13 @@ class Store:
                 shutil.rmtree(trash, ignore_errors=True)
             try:
                 model.path.parent.rmdir()  # the name folder, once its last model is gone
+                self._default_file(model.name).unlink(missing_ok=True)
             except OSError:
                 pass
+        for name in {m.name for m in matches}:  # a removed default passes to what a name now means
+            left = self._default_among(self.find_all(name))
+            if left is not None:
+                self._keep_a_default(name, left.quantization)
         return matches
 
 

@@ -263,3 +263,11 @@ def resolve_recipe(name: str, directory: Path | None = None) -> Recipe:
         f"unknown model {name!r}.{hint} (a hub repo id like org/name or a local path works too)",
         suggestions,
     )
+
+
+def known_recipe_names(directory: Path | None = None) -> set[str]:
+    """The names `localchat pull NAME` knows (one per recipe)."""
+    try:
+        return set(all_recipes(directory))
+    except Exception:  # a broken recipe file must not hide a "not found" error
+        return set()

@@ -30,8 +30,10 @@ def model_dir() -> str:
 
 
 def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    """`localchat run ARGS`, greedy unless ARGS give a temperature (the default samples)."""
+    greedy = [] if "--temperature" in args else ["--temperature", "0"]
     return subprocess.run(
-        [LOCALCHAT, "run", *args],
+        [LOCALCHAT, "run", *args, *greedy],
         input=stdin if stdin is not None else "",
         capture_output=True,
         text=True,
@@ -131,7 +133,7 @@ def drive_interactive_chat(model_dir: str) -> None:
     import pexpect
     child = pexpect.spawn(
         LOCALCHAT,
-        ["run", model_dir, "--max-tokens", "24"],
+        ["run", model_dir, "--max-tokens", "24", "--temperature", "0"],
         encoding="utf-8",
         timeout=120,
         env={**os.environ, "TERM": "dumb"},

@@ -137,7 +137,7 @@ def test_rm_asks_first_and_keeps_the_model_unless_confirmed(
     assert code == 0 and out.startswith("removed alpha:q4f32_1") and store.models() == []
 
 
-def test_rm_yes_takes_every_quantization_of_a_name_or_just_the_one_named(
+def test_rm_takes_the_default_the_one_named_or_all_with_all(
         store: Store, capsys: pytest.CaptureFixture[str]) -> None:
     for quant in ("q4f32_1", "q0f32"):
         add_model(store, "alpha", quant)
@@ -145,8 +145,14 @@ def test_rm_yes_takes_every_quantization_of_a_name_or_just_the_one_named(
     code, out, _ = run(capsys, "rm", "alpha:q0f32", "--yes")
     assert code == 0 and re.fullmatch(r"removed alpha:q0f32 \(\d\.\d KB freed\)", out.strip())
     add_model(store, "alpha", "q0f32")
-    code, out, _ = run(capsys, "rm", "alpha", "--yes")
+    # a bare name is its default quantization (the first pulled), and says what it keeps
+    code, out, err = run(capsys, "rm", "alpha", "--yes")
+    assert code == 0 and out.startswith("removed alpha:q4f32_1") and len(out.splitlines()) == 1
+    assert "keeping alpha:q0f32" in err and "--all" in err
+    add_model(store, "alpha", "q4f32_1")
+    code, out, err = run(capsys, "rm", "alpha", "--all", "--yes")
     assert code == 0 and len(out.strip().splitlines()) == 2
+    assert "removing alpha:q0f32" in err and "alpha:q4f32_1" in err
     assert [m.ref for m in store.models()] == ["beta:q4f32_1"]
 
 

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from localchat.engine.generation_config import GenerationConfig
+from localchat.engine.generation_config import MODEL_DEFAULTS, GenerationConfig
 from localchat.engine.sampler import Sampler, sample_batch
 from localchat.errors import GenerationError
 
@@ -239,4 +239,22 @@ def test_model_defaults_from_generation_config_json(tmp_path):
     (tmp_path / "generation_config.json").write_text('{"do_sample": false, "top_k": 20}')
     config = GenerationConfig.from_model_defaults(tmp_path)
     assert config.greedy and config.top_k == 20
-    assert GenerationConfig.from_model_defaults(tmp_path / "missing") == GenerationConfig()
+    assert config.repetition_penalty == 1.1  # what the file leaves unset: Ollama's default
+    missing = GenerationConfig.from_model_defaults(tmp_path / "missing")
+    assert missing == GenerationConfig(**MODEL_DEFAULTS)
+    assert (missing.temperature, missing.top_k, missing.top_p, missing.repetition_penalty,
+            missing.repetition_window) == (0.8, 40, 0.9, 1.1, 64)
+
+
+def test_repetition_penalty_looks_only_at_the_window():
+    """With a window of 3, a token seen 4 tokens back is no longer penalized."""
+    logits = np.full(10, 2.0, dtype=np.float32)
+    config = GenerationConfig(temperature=0, repetition_penalty=2.0, repetition_window=3)
+    sampler = Sampler(config, 10, prompt_ids=[1, 2, 3, 4])
+    x = sampler.adjust_logits(logits)
+    assert x[1] == 2.0 and x[2] == x[3] == x[4] == 1.0
+    sampler.accept(5)
+    x = sampler.adjust_logits(logits)
+    assert x[2] == 2.0 and x[3] == x[4] == x[5] == 1.0
+    whole = Sampler(GenerationConfig(temperature=0, repetition_penalty=2.0), 10, [1, 2, 3, 4])
+    assert (whole.adjust_logits(logits)[1:5] == 1.0).all()  # 0 = the whole context

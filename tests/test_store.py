@@ -102,7 +102,7 @@ def test_leftovers_of_a_killed_pull_are_never_listed_and_get_cleaned(store: Stor
     assert [m.ref for m in store.models()] == ["m:q4f32_1"]
 
 
-def test_resolve_by_name_ref_path_and_preference(store: Store, tmp_path: Path) -> None:
+def test_resolve_by_name_ref_path_and_default(store: Store, tmp_path: Path) -> None:
     q4 = add_model(store, "org/model", "q4f16_1")
     q0 = add_model(store, "org/model", "q0f32")
     solo = add_model(store, "solo", "q4f32_1")
@@ -110,14 +110,42 @@ def test_resolve_by_name_ref_path_and_preference(store: Store, tmp_path: Path) -
     assert store.resolve("solo") == solo
     assert store.resolve("org/model:q0f32") == q0
     assert store.resolve("org/model", quantization="q4f16_1") == q4
-    assert store.resolve("org/model", prefer=("q4f16_1",)) == q4
     assert store.resolve(str(solo)) == solo
-    with pytest.raises(ModelNotFoundError, match="several quantizations: org/model:q0f32"):
-        store.resolve("org/model")
-    with pytest.raises(ModelNotFoundError, match="Did you mean: solo.*localchat pull sol"):
+    # a bare name is its default quantization: the first pulled, until set otherwise
+    assert store.default_quantization("org/model") == "q4f16_1"
+    assert store.resolve("org/model") == q4
+    store.set_default("org/model", "q0f32")
+    assert store.resolve("org/model") == q0
+    assert [m.ref for m in store.find("org/model")] == ["org/model:q0f32"]
+    assert len(store.find_all("org/model")) == 2
+    with pytest.raises(ModelNotFoundError, match="Did you mean: solo"):
         store.resolve("sol")
     with pytest.raises(ModelNotFoundError, match="not a model directory"):
         store.resolve(str(tmp_path))
+
+
+def test_not_found_hints_name_only_what_exists_or_can_be_pulled(store: Store) -> None:
+    add_model(store, "solo", "q4f32_1")
+    with pytest.raises(ModelNotFoundError) as typo:
+        store.resolve("smollm2-135m-instruc")
+    assert "Did you mean: smollm2-135m-instruct" in str(typo.value)
+    assert "pull smollm2-135m-instruc`" not in str(typo.value)
+    assert "localchat list --available" in str(typo.value)
+    with pytest.raises(ModelNotFoundError, match="Get it with `localchat pull smollm2-135m"):
+        store.resolve("smollm2-135m-instruct")
+    with pytest.raises(ModelNotFoundError, match="solo is stored as solo:q4f32_1"):
+        store.resolve("solo:q0f32")
+
+
+def test_default_moves_when_the_default_is_removed(store: Store) -> None:
+    add_model(store, "a", "q4f16_1")
+    add_model(store, "a", "q0f32")
+    assert store.default_quantization("a") == "q4f16_1"
+    store.remove("a")  # the bare name: only its default
+    assert [m.ref for m in store.models()] == ["a:q0f32"]
+    assert store.default_quantization("a") == "q0f32"
+    add_model(store, "a", "q4f32_1")
+    assert store.default_quantization("a") == "q0f32"
 
 
 def test_remove_deletes_one_quantization_or_all(store: Store) -> None:
@@ -127,7 +155,9 @@ def test_remove_deletes_one_quantization_or_all(store: Store) -> None:
     removed = store.remove("a:q0f32")
     assert [m.ref for m in removed] == ["a:q0f32"]
     assert [m.ref for m in store.models()] == ["a:q4f16_1", "b:q4f32_1"]
-    store.remove("a")
+    add_model(store, "a", "q0f32")
+    removed = store.remove("a", every_quantization=True)
+    assert sorted(m.ref for m in removed) == ["a:q0f32", "a:q4f16_1"]
     assert [m.ref for m in store.models()] == ["b:q4f32_1"]
     assert not (store.models_dir / "a").exists()
     with pytest.raises(ModelNotFoundError):

@@ -7,6 +7,7 @@ Progress and notes go to stderr (rich); the one summary line goes to stdout.
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -49,30 +50,66 @@ def with_steps(hooks: Any, console: Any) -> Any:
 
 def cmd_pull(args: argparse.Namespace) -> int:
     """`localchat pull NAME | HF_REPO_ID | ./hf-folder | ./file.gguf`."""
+    result = pull_with_progress(args.model, device=args.device, quantization=args.quant,
+                                force=args.force)
+    print(result.summary())
+    return 0
+
+
+def pull_with_progress(ref: str, *, device: str = "auto", quantization: str | None = None,
+                       force: bool = False) -> Any:
+    """Pull `ref` into the store with the usual progress on stderr (device, downloads with their
+    bytes, convert and compile steps, notes); the PullResult."""
     from localchat.downloader.progress import RichProgress
     from localchat.downloader.pull import engine_hooks, parse_source, pull
 
-    parse_source(args.model)  # an unknown name fails before the engine (TVM) is loaded
+    parse_source(ref)  # an unknown name fails before the engine (TVM) is loaded
     out = console()
 
     def log(message: str) -> None:
         out.print(message, style="dim", markup=False, highlight=False)
 
-    if args.quant:
+    if quantization:
         from localchat.engine.quantization import get_quant_mode
 
-        get_quant_mode(args.quant)  # an unknown mode fails before any download
+        get_quant_mode(quantization)  # an unknown mode fails before any download
     store = open_store()
-    hooks = engine_hooks(args.device, store, log)
+    hooks = engine_hooks(device, store, log)
     picked = f"device: {hooks.device_name} ({hooks.target_key})"
-    if args.device == "auto":
+    if device == "auto":
         reason = auto_device_reason()
         picked += " picked by --device auto" + (f" ({reason})" if reason else "")
     out.print(picked, markup=False, highlight=False)
-    result = pull(args.model, hooks=with_steps(hooks, out), store=store,
-                  quantization=args.quant, force=args.force, progress=RichProgress(out),
-                  log=log)
+    result = pull(ref, hooks=with_steps(hooks, out), store=store, quantization=quantization,
+                  force=force, progress=RichProgress(out), log=log)
     for note in result.notes:
         log(note)
-    print(result.summary())
-    return 0
+    return result
+
+
+def ensure_local_model(ref: str, device: str = "auto") -> str:
+    """`ref` when the store has it (or it is a model directory); else, when `pull` knows the
+    name (a recipe or a hub repo id), pull it first with the usual progress and return the
+    stored `name:quant`. Anything else raises the store's not-found error, with its hints."""
+    from localchat.downloader.pull import parse_source
+    from localchat.engine import model_dir as md
+    from localchat.errors import LocalchatError, ModelNotFoundError
+
+    if md.is_model_dir(Path(ref).expanduser()):
+        return ref
+    store = open_store()
+    try:
+        store.resolve(ref)
+        return ref
+    except ModelNotFoundError as missing:
+        name, _, quant = ref.rpartition(":") if ":" in ref else (ref, "", "")
+        try:
+            source = parse_source(name)
+        except LocalchatError:
+            raise missing from None
+        if source.kind not in ("recipe", "hub"):
+            raise missing from None
+    console().print(f"{ref} is not in the store; pulling it", markup=False, highlight=False)
+    result = pull_with_progress(name, device=device, quantization=quant or None)
+    print(result.summary(), file=sys.stderr)
+    return f"{result.name}:{result.quantization}"

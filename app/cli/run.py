@@ -24,12 +24,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Send MESSAGE (or text piped on stdin) through the chat template and stream "
         "the reply; without a message, chat interactively.",
     )
-    p.add_argument("model", help="model directory or name in the local store")
+    p.add_argument("model", help="model name (pulled first when missing), name:quant, or "
+                   "model directory")
     p.add_argument("message", nargs="?", help="the message (default: stdin, or a chat)")
     p.add_argument("--raw", action="store_true", help="complete the text as is, no template")
     p.add_argument("--system", help="system prompt")
     p.add_argument("--template", help="built-in template name or .jinja file")
-    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy; the defaults of every option: the model's "
+                   "generation_config.json, else temperature 0.8, top-k 40, top-p 0.9, "
+                   "repeat-penalty 1.1 over the last 64 tokens")
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--min-p", type=float, default=None)
@@ -183,7 +187,6 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise LocalchatError("the message is empty")
 
     options = sampling_overrides(args)
-    options.setdefault("temperature", 0.0)
     if interactive:
         options.setdefault("max_tokens", CHAT_DEFAULT_MAX_TOKENS)
     engine = _open_engine(args, options)
@@ -226,14 +229,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _open_engine(args: argparse.Namespace, options: dict[str, Any]) -> Any:
     """The engine for `args.model`; Engine.open raises user errors before the model loads."""
     from localchat.cli.common import log
+    from localchat.cli.pull import ensure_local_model
     from localchat.engine.engine import Engine  # imports TVM: only once a message is there
     from localchat.engine.threads import configure_threads
 
     configure_threads(args.threads)
+    model = ensure_local_model(args.model, args.device)  # `run` pulls a missing model first
 
     try:
         return Engine.open(
-            args.model,
+            model,
             device=args.device,
             template="raw" if args.raw else args.template,
             context_window=args.context_window,

@@ -16,6 +16,15 @@ from localchat.errors import InvalidRequestError, ModelConfigError
 # OpenAI's documented ranges for the additive penalties and the logit bias.
 PENALTY_RANGE = (-2.0, 2.0)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
+# What a reply gets when neither its caller nor the model's generation_config.json says
+# otherwise: Ollama's defaults, so that small models' replies end instead of looping.
+MODEL_DEFAULTS: dict[str, Any] = {
+    "temperature": 0.8,
+    "top_k": 40,
+    "top_p": 0.9,
+    "repetition_penalty": 1.1,
+    "repetition_window": 64,
+}
 # Most alternatives a token's logprobs may list (OpenAI's top_logprobs limit).
 MAX_TOP_LOGPROBS = 20
 
@@ -24,12 +33,19 @@ MAX_TOP_LOGPROBS = 20
 class GenerationConfig:
     """How to pick tokens and when to stop.
 
+    The fields' own defaults change nothing but the temperature; what a reply gets when its
+    caller sets nothing is `from_model_defaults`: the model's generation_config.json over
+    MODEL_DEFAULTS (Ollama's), the same for the CLI, the terminal UI and the server.
+
     temperature: 0 is greedy (argmax); otherwise logits are divided by it.
     top_k: keep the k most likely tokens (0 = off).
     top_p: keep the smallest set of most likely tokens whose mass reaches top_p (1 = off).
     min_p: keep tokens whose probability is at least min_p times the top one's (0 = off).
-    repetition_penalty: for every token seen in the prompt or the reply, a positive logit is
-        divided by it and a negative one multiplied by it (1 = off), as in HF and llama.cpp.
+    repetition_penalty: for every token among the last `repetition_window` of the context
+        (prompt and reply), a positive logit is divided by it and a negative one multiplied by
+        it (1 = off), as in HF and llama.cpp.
+    repetition_window: how many of the latest tokens the repetition penalty looks at (0 = the
+        whole context; Ollama's repeat_last_n).
     presence_penalty / frequency_penalty: OpenAI semantics over the reply's tokens:
         logit -= presence * (count > 0) + frequency * count.
     logit_bias: token id -> value added to its logit (-100..100, or -inf to ban a token).
@@ -45,11 +61,12 @@ class GenerationConfig:
         is constrained token by token (engine/grammar.py).
     """
 
-    temperature: float = 0.7
+    temperature: float = 0.8
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    repetition_window: int = 0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: Mapping[int, float] = field(default_factory=dict)
@@ -97,6 +114,7 @@ class GenerationConfig:
                 f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}",
                 "repetition_penalty",
             )
+        _check_int("repetition_window", self.repetition_window, lo=0)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check_number(name, value)
@@ -170,12 +188,13 @@ class GenerationConfig:
 
     @classmethod
     def from_model_defaults(cls, path: Path, **overrides: Any) -> GenerationConfig:
-        """Defaults from an HF `generation_config.json` (when it exists), then `overrides`.
+        """The defaults of a model's replies: MODEL_DEFAULTS, then what its HF
+        `generation_config.json` sets (when it exists), then `overrides`.
 
         Reads temperature, top_k, top_p, min_p, repetition_penalty and `do_sample: false`
         (greedy); other keys there (lengths, beams) are not sampling parameters and are ignored.
         """
-        values: dict[str, Any] = {}
+        values: dict[str, Any] = dict(MODEL_DEFAULTS)
         path = Path(path)
         if path.is_dir():
             path = path / "generation_config.json"

@@ -59,6 +59,32 @@ class _IdSet:
             self.add_many(np.array([token_id], dtype=np.int64))
 
 
+class _RecentIds:
+    """The last `size` token ids seen (a ring), as the set the repetition penalty acts on."""
+
+    def __init__(self, size: int) -> None:
+        self._ring = np.empty(size, dtype=np.int64)
+        self._n = 0  # tokens ever added
+
+    def __len__(self) -> int:
+        return min(self._n, self._ring.size)
+
+    @property
+    def array(self) -> np.ndarray:
+        return np.unique(self._ring[: len(self)])
+
+    def add_many(self, ids: np.ndarray) -> None:
+        size = self._ring.size
+        ids = ids[-size:]
+        for token_id in ids.tolist():
+            self._ring[self._n % size] = token_id
+            self._n += 1
+
+    def add(self, token_id: int) -> None:
+        self._ring[self._n % self._ring.size] = token_id
+        self._n += 1
+
+
 class Sampler:
     """Picks the tokens of one sequence's reply; owns its random generator and token history.
 
@@ -85,7 +111,10 @@ class Sampler:
         self._inv_temperature = 0.0 if config.greedy else 1.0 / config.temperature
         self._bias_ids = np.fromiter(config.logit_bias.keys(), dtype=np.int64)
         self._bias_values = np.fromiter(config.logit_bias.values(), dtype=np.float32)
-        self._seen = _IdSet(vocab_size) if config.repetition_penalty != 1.0 else None
+        self._seen: _IdSet | _RecentIds | None = None
+        if config.repetition_penalty != 1.0:
+            window = config.repetition_window
+            self._seen = _RecentIds(window) if window else _IdSet(vocab_size)
         self._use_counts = config.presence_penalty != 0.0 or config.frequency_penalty != 0.0
         self._generated = _IdSet(vocab_size) if self._use_counts else None
         self._counts = np.zeros(vocab_size, dtype=np.float32) if self._use_counts else None
