@@ -50,7 +50,7 @@ def target_key(target: Target) -> str:
     detail = str(attrs.get("mcpu", "") or attrs.get("arch", "") or "")
     mattr = [str(a) for a in attrs.get("mattr", None) or []]
     if mattr:  # features turned off (a CPU whose hypervisor hides AVX-512): its own name
-        detail += "-" + hashlib.sha256(",".join(mattr).encode()).hexdigest()[:6]
+        detail += "_" + hashlib.sha256(",".join(mattr).encode()).hexdigest()[:6]
     return f"{kind}-{detail}" if detail else kind
 
 
