@@ -1,8 +1,11 @@
-"""The Textual app `localchat` opens: the models view first (or a chat with `--model`), pull
-jobs, the chat database, F1 help and every action in the command palette.
+"""The Textual app `localchat` opens: the last conversation when its model is still installed
+(else the models view; `--model` opens a new chat), pull jobs, the chat database, F1 help and
+every action in the command palette. Ctrl+C stops a streaming reply and never quits (Ctrl+Q
+does); a finished pull opens a chat with the model it installed.
 
 First paint does not wait on TVM, the store or the database's disk: models are listed and
-loaded in thread workers, and the engine is imported only when a model is loaded.
+loaded, and the last conversation looked up, in thread workers; the engine is imported only
+when a model is loaded.
 """
 
 from __future__ import annotations
@@ -14,10 +17,10 @@ from pathlib import Path
 from textual import work
 from textual.app import App, SystemCommand
 from textual.binding import Binding
-from textual.screen import Screen
+from textual.screen import ModalScreen, Screen
 
 from localchat.tui.backend import Backend, LocalBackend, PullCancelled
-from localchat.tui.db import ChatDB
+from localchat.tui.db import ChatDB, ConversationRow
 from localchat.tui.screens.chat import ChatScreen
 from localchat.tui.screens.dialogs import ConversationsScreen, HelpScreen
 from localchat.tui.screens.models import ModelsScreen
@@ -33,6 +36,9 @@ class LocalchatApp(App[int]):
         Binding("f1", "help", "Help"),
         Binding("f2", "models", "Models"),
         Binding("f3", "conversations", "Chats"),
+        # replaces Textual's Ctrl+C (a hint to quit); a selection is still copied first, by
+        # the focused input's and the screen's own Ctrl+C, which pass when nothing is selected
+        Binding("ctrl+c", "interrupt", show=False, system=True),
     ]
 
     def __init__(self, *, model: str | None = None, backend: Backend | None = None,
@@ -51,12 +57,31 @@ class LocalchatApp(App[int]):
         self.push_screen(ModelsScreen())
         if self.start_model:
             self.open_chat(self.start_model)
+        else:
+            self._resume_last_chat()
 
     def on_unmount(self) -> None:
         for job in self.jobs:
             job.cancel_requested = True
         if self._own_backend:
             self.backend.close()
+
+    @work(thread=True, group="resume", exit_on_error=False)
+    def _resume_last_chat(self) -> None:
+        """Open the most recently updated conversation when its model is still installed."""
+        row = self.db.latest_conversation()
+        if row is None:
+            return
+        try:
+            installed = self.backend.models()
+        except Exception:  # noqa: BLE001 - the models view shows what went wrong
+            return
+        if any(row.model in (m.ref, m.name) for m in installed):
+            self.call_from_thread(self._resume, row)
+
+    def _resume(self, row: ConversationRow) -> None:
+        if isinstance(self.screen, ModelsScreen):  # unless the user went elsewhere meanwhile
+            self.open_chat(row.model, row.id)
 
     # navigation ------------------------------------------------------------------------------
     def models_screen(self) -> ModelsScreen | None:
@@ -75,6 +100,14 @@ class LocalchatApp(App[int]):
     def action_models(self) -> None:
         while len(self.screen_stack) > 2:
             self.pop_screen()
+
+    def action_interrupt(self) -> None:
+        """Ctrl+C that copied nothing: stop the streaming reply, if any; it never quits."""
+        screen = self.screen
+        if isinstance(screen, ChatScreen) and screen.busy:
+            screen.action_stop()
+        else:
+            self.notify("Ctrl+Q quits", timeout=3)
 
     def action_help(self) -> None:
         if isinstance(self.screen, HelpScreen):
@@ -111,7 +144,7 @@ class LocalchatApp(App[int]):
                                 models.action_pull)
         if isinstance(screen, ChatScreen):
             for title, help_text, action in (
-                ("Stop the reply", "Keep the partial text (Esc)", screen.action_stop),
+                ("Stop the reply", "Keep the partial text (Esc, Ctrl+C)", screen.action_stop),
                 ("Regenerate", "Replace the last reply (Ctrl+R)", screen.action_regenerate),
                 ("Settings", "System prompt and parameters (Ctrl+S)", screen.action_settings),
                 ("Export to Markdown", "Write the conversation to a file (Ctrl+O)",
@@ -149,7 +182,7 @@ class LocalchatApp(App[int]):
                 return
             job.state = "running"
             try:
-                summary = self.backend.pull(
+                pulled = self.backend.pull(
                     job.ref, progress=JobProgress(job), stage=job.set_stage,
                     log=lambda line: setattr(job, "message", line),
                     cancelled=lambda: job.cancel_requested,
@@ -159,9 +192,25 @@ class LocalchatApp(App[int]):
             except Exception as exc:  # noqa: BLE001 - a failed job is shown, the app stays up
                 job.state, job.message = "failed", str(exc) or type(exc).__name__
             else:
-                job.state, job.message = "done", summary
+                job.model = pulled.ref
+                job.state, job.message = "done", pulled.summary
+        self.call_from_thread(self.pull_ended, job)
+
+    def pull_ended(self, job: Job) -> None:
+        """Say how `job` ended; a finished pull refreshes the models view and opens a chat with
+        the model, unless a reply is streaming or a dialog is open (then it only says so)."""
+        if job.state != "done":
+            self.notify(f"pull {job.state}: {job.ref}", severity="warning")
+            return
         models = self.models_screen()
-        if models is not None and job.state == "done":
-            self.call_from_thread(models.reload)
-        self.call_from_thread(self.notify, f"pull {job.state}: {job.ref}",
-                              severity="information" if job.state == "done" else "warning")
+        if models is not None:
+            models.reload()
+        screen = self.screen
+        if not job.model:
+            self.notify(f"pull done: {job.ref}")
+        elif isinstance(screen, ModalScreen) or (isinstance(screen, ChatScreen) and screen.busy):
+            self.notify(f"pulled {job.model}: Enter on it in the models view (F2) opens a chat",
+                        timeout=10)
+        else:
+            self.notify(f"pulled {job.model}")
+            self.open_chat(job.model)

@@ -62,12 +62,24 @@ class PullCancelled(Exception):
     """A pull stopped at the user's request (downloads are kept: the next pull resumes)."""
 
 
+@dataclass(frozen=True)
+class Pulled:
+    """A finished pull: the ref of the model it installed ("" where that is not known) and a
+    summary line."""
+
+    ref: str
+    summary: str
+
+
 class ChatModel(Protocol):
     """A loaded model that streams replies."""
 
     name: str
     context_window: int
     device: str
+    # the sampling defaults a reply gets when the conversation sets nothing (GenerationConfig's
+    # field names), or None where they are not known (a server that does not tell)
+    defaults: dict[str, Any] | None
 
     def reply(self, key: str, messages: Sequence[dict[str, str]],
               settings: ChatSettings) -> ReplyStream:
@@ -103,8 +115,8 @@ class Backend(Protocol):
         """Delete an installed model."""
 
     def pull(self, ref: str, *, progress: DownloadProgress, stage: Callable[[str], None],
-             log: Log, cancelled: Callable[[], bool]) -> str:
-        """Pull `ref` into the store; returns a summary line. Raises PullCancelled."""
+             log: Log, cancelled: Callable[[], bool]) -> Pulled:
+        """Pull `ref` into the store; what it installed. Raises PullCancelled."""
 
     def close(self) -> None:
         """Free every loaded model."""
@@ -120,6 +132,8 @@ class LocalChatModel:
         self.name = engine.name
         self.context_window = engine.context_window
         self.device = str(engine.model.device.kind)
+        # the engine's own defaults: the model's generation_config.json over the class's
+        self.defaults: dict[str, Any] | None = engine.config.to_dict()
         self._conversations: dict[str, Conversation] = {}
         self._lock = threading.Lock()
 
@@ -217,7 +231,7 @@ class LocalBackend:
                 self._loaded.pop(key).close()
 
     def pull(self, ref: str, *, progress: DownloadProgress, stage: Callable[[str], None],
-             log: Log, cancelled: Callable[[], bool]) -> str:
+             log: Log, cancelled: Callable[[], bool]) -> Pulled:
         from localchat.downloader.pull import engine_hooks, parse_source, pull
         from localchat.recipes import QUANT_RE
 
@@ -252,7 +266,7 @@ class LocalBackend:
         stage("download")
         result = pull(name, hooks=hooks, store=store, quantization=quant or None,
                       progress=progress, log=log)
-        return result.summary()
+        return Pulled(f"{result.name}:{result.quantization}", result.summary())
 
     def close(self) -> None:
         with self._load_lock:

@@ -164,6 +164,12 @@ class ChatDB:
                           (conversation_id,))
         return _conversation(rows[0]) if rows else None
 
+    def latest_conversation(self) -> ConversationRow | None:
+        """The most recently updated conversation, or None when there is none."""
+        rows = self._read("SELECT c.*, 0 AS n FROM conversations c "
+                          "ORDER BY c.updated DESC, c.id DESC LIMIT 1")
+        return _conversation(rows[0]) if rows else None
+
     def rename(self, conversation_id: int, title: str) -> None:
         """Give a conversation a new title."""
         self._write("UPDATE conversations SET title = ? WHERE id = ?", (title, conversation_id))

@@ -11,6 +11,7 @@ where the server has it, as `localchat serve` and Ollama do; elsewhere they rais
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -27,6 +28,7 @@ from localchat.tui.backend import (
     Log,
     ModelInfo,
     PullCancelled,
+    Pulled,
     recipe_catalog,
 )
 from localchat.tui.settings import ChatSettings
@@ -169,6 +171,45 @@ class RemoteReplyStream(ReplyStream):
         self._end("cancelled" if self.cancelled else self._reason)
 
 
+# `/api/show` parameter names (Ollama's where they differ) -> GenerationConfig's, and the type
+OLLAMA_PARAMETERS: dict[str, tuple[str, type]] = {
+    "temperature": ("temperature", float),
+    "top_k": ("top_k", int),
+    "top_p": ("top_p", float),
+    "min_p": ("min_p", float),
+    "repetition_penalty": ("repetition_penalty", float),
+    "repeat_penalty": ("repetition_penalty", float),
+    "repetition_window": ("repetition_window", int),
+    "repeat_last_n": ("repetition_window", int),
+}
+
+
+def parse_parameters(text: object) -> dict[str, Any] | None:
+    """The sampling defaults in an Ollama `/api/show` "parameters" text (a `name value` line
+    each); None when it names none."""
+    out: dict[str, Any] = {}
+    for line in str(text or "").splitlines():
+        name, _, value = line.strip().partition(" ")
+        if name not in OLLAMA_PARAMETERS:
+            continue
+        field, kind = OLLAMA_PARAMETERS[name]
+        try:
+            out[field] = kind(float(value.strip()))
+        except ValueError:
+            continue
+    return out or None
+
+
+def pulled_ref(ref: str, summary: str, served: Sequence[str]) -> str:
+    """Which served model a pull of `ref` installed: the one it names (a served name, or a
+    bare name one quantization of it has), else the one its summary line names; "" if none."""
+    named = [m for m in served if m == ref] or [m for m in served if _split_ref(m)[0] == ref]
+    if len(named) == 1:
+        return named[0]
+    said = [m for m in served if re.search(rf"(?<!\S){re.escape(m)}(?=[:\s]|$)", summary)]
+    return said[0] if len(said) == 1 else ""
+
+
 def _sse_data(lines: Iterator[str]) -> Iterator[str]:
     for line in lines:
         if line.startswith("data:"):
@@ -195,11 +236,13 @@ class RemoteChatModel:
     """A model served by the server; every reply is a stateless request with the whole
     conversation (the server keeps no conversation state)."""
 
-    def __init__(self, backend: RemoteBackend, ref: str, context_window: int) -> None:
+    def __init__(self, backend: RemoteBackend, ref: str, context_window: int,
+                 defaults: dict[str, Any] | None = None) -> None:
         self.backend = backend
         self.name = ref
         self.context_window = context_window
         self.device = backend.where
+        self.defaults = defaults
 
     def reply(self, key: str, messages: Sequence[dict[str, str]],
               settings: ChatSettings) -> RemoteReplyStream:
@@ -321,14 +364,19 @@ class RemoteBackend:
     def recommended(self) -> str:
         return RECOMMENDED
 
-    def _context_window(self, ref: str) -> int:
-        # localchat's Ollama API tells the context length; another server may not (0: unknown)
+    def _show(self, ref: str) -> tuple[int, dict[str, Any] | None]:
+        """The model's context window (0: unknown) and sampling defaults (None: unknown), from
+        the Ollama API's `/api/show`, which localchat's server has and another may not."""
         try:
-            info = self.request("POST", "/api/show", json={"model": ref}).get("model_info", {})
-        except (ServerError, AttributeError):
-            return 0
+            body = self.request("POST", "/api/show", json={"model": ref})
+        except ServerError:
+            return 0, None
+        if not isinstance(body, dict):
+            return 0, None
+        info = body.get("model_info") if isinstance(body.get("model_info"), dict) else {}
         value = next((v for k, v in info.items() if k.endswith(".context_length")), None)
-        return int(value) if isinstance(value, int) else 0
+        window = int(value) if isinstance(value, int) else 0
+        return window, parse_parameters(body.get("parameters"))
 
     def load(self, ref: str, *, context_window: int | None = None,
              log: Log | None = None) -> RemoteChatModel:
@@ -340,7 +388,8 @@ class RemoteBackend:
                     f"the server at {self.url} does not serve {ref!r}; it serves: "
                     f"{', '.join(served) or 'no models'}", served)
             ref = matches[0]
-        return RemoteChatModel(self, ref, self._context_window(ref))
+        window, defaults = self._show(ref)
+        return RemoteChatModel(self, ref, window, defaults)
 
     def _unavailable(self, what: str) -> NotAvailableRemotely:
         return NotAvailableRemotely(
@@ -353,7 +402,7 @@ class RemoteBackend:
         self.request("DELETE", "/api/delete", json={"model": ref})
 
     def pull(self, ref: str, *, progress: DownloadProgress, stage: Callable[[str], None],
-             log: Log, cancelled: Callable[[], bool]) -> str:
+             log: Log, cancelled: Callable[[], bool]) -> Pulled:
         """Pull on the server (`/api/pull`), its progress lines reported as ours. Cancelling
         closes the stream: the server stops the download, and the next pull resumes it."""
         if not self.manages_store:
@@ -376,7 +425,8 @@ class RemoteBackend:
             tracker.end()
         if not tracker.succeeded:
             raise ServerError(f"the server's pull of {ref} ended without success")
-        return tracker.summary or f"pulled {ref} on the server"
+        summary = tracker.summary or f"pulled {ref} on the server"
+        return Pulled(pulled_ref(ref, summary, self.check()), summary)
 
     def close(self) -> None:
         self._client.close()

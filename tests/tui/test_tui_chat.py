@@ -1,7 +1,8 @@
 """Chatting in the terminal UI with the real SmolLM2-135M-Instruct, driven by Textual's Pilot:
-a streamed Markdown reply with live stats, Esc keeping the partial text, settings validated
-inline, regenerate / edit & resend / copy / export, and conversations persisted in SQLite that
-reopen and continue after a restart. One engine is loaded per module and shared by the apps."""
+a streamed Markdown reply with live stats, Ctrl+C stopping it (keeping the partial text) and not
+quitting, settings validated inline and showing the engine's defaults, regenerate / edit &
+resend / copy / export, and conversations persisted in SQLite that the app reopens and continues
+after a restart. One engine is loaded per module and shared by the apps."""
 
 from __future__ import annotations
 
@@ -11,14 +12,22 @@ from pathlib import Path
 
 import pytest
 from textual.widgets import Input, Label, Select, Static, TextArea
-from tui_helpers import chat_ready, send, set_fields, stop_a_long_reply, wait_for
+from tui_helpers import (
+    chat_ready,
+    notifications,
+    send,
+    set_fields,
+    start_a_long_reply,
+    stop_the_reply,
+    wait_for,
+)
 
 from localchat import Engine
 from localchat.tui.app import LocalchatApp
 from localchat.tui.backend import LocalBackend
 from localchat.tui.db import ChatDB
-from localchat.tui.screens.chat import ChatScreen
-from localchat.tui.screens.dialogs import ConversationsScreen, SettingsScreen
+from localchat.tui.screens.dialogs import SETTINGS_FIELDS, ConversationsScreen, SettingsScreen
+from localchat.tui.widgets.jobs import Job
 from localchat.tui.widgets.prompt import PromptInput
 
 pytestmark = pytest.mark.asyncio
@@ -64,30 +73,42 @@ async def test_ask_stream_stats_persist_restart_and_continue(
     assert [m.role for m in stored] == ["user", "assistant"]
     assert "Paris" in stored[1].content and stored[1].stats["decode_tok_s"] > 0
 
-    # restart: the conversation is listed, reopens with its messages and continues
+    # restart: the app opens on the conversation, with its messages, and it continues
     app = LocalchatApp(backend=backend)
     async with app.run_test(size=SIZE) as pilot:
-        await pilot.press("f3")
+        screen = await chat_ready(pilot, app)
+        assert screen.conversation_id == cid
+        assert [v.content for v in screen.views][0] == QUESTION
+        assert screen.settings.temperature == 0.0
+        await pilot.press("f3")  # and it is listed
         await wait_for(pilot, lambda: isinstance(app.screen, ConversationsScreen),
                        what="the conversation list")
         assert app.screen.rows[0].title == QUESTION
-        await pilot.press("enter")
-        screen = await chat_ready(pilot, app)
-        assert [v.content for v in screen.views][0] == QUESTION
-        assert screen.settings.temperature == 0.0
+        await pilot.press("escape")
+        assert app.screen is screen
         await send(pilot, screen, "And of Germany?")
         assert len(screen.views) == 4 and screen.views[-1].status == "done"
         assert screen.views[-1].content
     assert [m.role for m in db.messages(cid)] == ["user", "assistant"] * 2
 
 
-async def test_escape_stops_the_reply_and_keeps_the_partial_text_marked(
+async def test_ctrl_c_stops_the_reply_keeping_the_partial_text_and_never_quits(
         store_home: Path, backend: LocalBackend) -> None:
     app = LocalchatApp(model="smollm2", backend=backend)
     async with app.run_test(size=SIZE) as pilot:
         screen = await chat_ready(pilot, app)
-        answer = await stop_a_long_reply(pilot, screen)
+        await start_a_long_reply(pilot, screen)
+        # a pull that ends meanwhile does not take the user away from the streaming reply
+        app.pull_ended(Job("smollm2", state="done", model="smollm2:q0f32"))
+        await wait_for(pilot, lambda: "pulled smollm2:q0f32" in notifications(app),
+                       what="the pull's notification")
+        assert app.screen is screen and screen.busy
+        answer = await stop_the_reply(pilot, screen, "ctrl+c")  # Esc: test_tui_remote.py
         assert screen.stats.completion_tokens < 200
+        assert app.is_running and "Ctrl+Q quits" not in notifications(app)
+        await pilot.press("ctrl+c")  # nothing streams now: it says how to quit
+        assert app.is_running and app.screen is screen
+        assert "Ctrl+Q quits" in notifications(app)
     stored = ChatDB().messages(screen.conversation_id)
     assert stored[-1].status == "cancelled" and stored[-1].content == answer.content
 
@@ -110,12 +131,25 @@ async def test_quitting_mid_reply_keeps_the_partial_text_marked(
     assert stream.wait(timeout=10)
 
 
-async def test_an_invalid_temperature_is_shown_inline_and_never_applied(
+async def test_the_settings_show_the_engines_defaults_and_refuse_an_invalid_temperature(
         store_home: Path, backend: LocalBackend) -> None:
     app = LocalchatApp(model="smollm2", backend=backend)
     async with app.run_test(size=SIZE) as pilot:
-        screen = await wait_for_chat(pilot, app)
+        screen = await chat_ready(pilot, app)
         before = screen.settings
+        assert before.overrides() == {}  # the UI imposes no sampling value of its own
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: isinstance(app.screen, SettingsScreen), what="settings")
+        shown = {name: app.screen.query_one(f"#{name}", Input).placeholder
+                 for name in SETTINGS_FIELDS}
+        config = backend.load("smollm2").engine.config  # the model's, over the class's
+        assert shown["temperature"] == f"{config.temperature:g} (default)"
+        assert shown["top_k"] == f"{config.top_k} (default)"
+        assert shown["top_p"] == f"{config.top_p:g} (default)"
+        assert shown["repetition_penalty"].startswith(f"{config.repetition_penalty:g}")
+        assert shown["max_tokens"] == "no limit (default)"
+        assert shown["context_window"] == "8192 (the model's)"
+        await pilot.press("escape")
         await set_fields(pilot, app, temperature="-1")
         dialog = app.screen
         assert isinstance(dialog, SettingsScreen)  # not saved: still open
@@ -129,12 +163,6 @@ async def test_an_invalid_temperature_is_shown_inline_and_never_applied(
             dialog.query_one("#error-temperature", Label).render())
         await pilot.press("escape")
         assert app.screen is screen and screen.settings == before
-
-
-async def wait_for_chat(pilot, app: LocalchatApp) -> ChatScreen:
-    await wait_for(pilot, lambda: isinstance(app.screen, ChatScreen), what="the chat screen")
-    assert isinstance(app.screen, ChatScreen)
-    return app.screen
 
 
 async def test_regenerate_edit_and_resend_copy_and_export(
@@ -227,8 +255,8 @@ async def test_a_json_schema_output_format_is_validated_applied_and_kept(
     assert stored is not None and stored.settings["output_format"] == "json_schema"
     app = LocalchatApp(backend=backend)
     async with app.run_test(size=SIZE) as pilot:
-        app.open_chat("smollm2", cid)
-        screen = await chat_ready(pilot, app)
+        screen = await chat_ready(pilot, app)  # the app opens on it: the last one
+        assert screen.conversation_id == cid
         assert screen.settings.json_schema == SCHEMA
         await pilot.press("ctrl+s")
         await wait_for(pilot, lambda: isinstance(app.screen, SettingsScreen), what="settings")

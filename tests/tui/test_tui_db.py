@@ -1,6 +1,6 @@
 """The chat database: schema version and WAL, conversations and messages round-trip, search,
-rename, delete (with its messages), branching, and a kill -9 while a reply is being written
-leaving a database that opens with every committed message."""
+rename, delete (with its messages), the latest one, branching, and a kill -9 while a reply is
+being written leaving a database that opens with every committed message."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ def test_a_new_database_is_at_the_schema_version_in_wal_mode(home: Path) -> None
 
 def test_conversations_round_trip_search_rename_and_delete(tmp_path: Path) -> None:
     db = ChatDB(tmp_path / "c.sqlite3")
+    assert db.latest_conversation() is None
     settings = ChatSettings(system="Be brief.", temperature=0.2, max_tokens=64)
     a = db.create_conversation("smollm2", title_from("What is the capital of France?"),
                                settings.to_dict())
@@ -38,6 +39,8 @@ def test_conversations_round_trip_search_rename_and_delete(tmp_path: Path) -> No
     db.add_message(a, "assistant", "Paris.", stats={"decode_tok_s": 12.5})
     rows = db.conversations()
     assert [r.id for r in rows] == [a, b]  # the one with the newest message first
+    latest = db.latest_conversation()  # what the app opens on
+    assert latest is not None and latest.id == a and latest.model == "smollm2"
     assert rows[0].messages == 2 and rows[0].title == "What is the capital of France?"
     assert ChatSettings.from_dict(rows[0].settings) == settings
     assert [r.id for r in db.conversations("capital")] == [a]

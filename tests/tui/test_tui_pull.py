@@ -1,9 +1,10 @@
 """Pulling from the terminal UI: the recommended model pulled with one key from the loopback hub
 (the real huggingface_hub client, HF_ENDPOINT pointed at it) shows its stages and bytes in the
-jobs panel, appears installed, and is deleted after confirming; the same through a real
-`localchat serve` (`localchat --server URL`), whose `/api/pull` progress becomes the job's
-stages and bytes and whose `/api/delete` removes it; and a server without the Ollama API (a
-plain OpenAI-compatible one) refusing store actions with a message.
+jobs panel, opens a chat with the model when done, appears installed, and is deleted after
+confirming; the same through a real `localchat serve` (`localchat --server URL`), whose
+`/api/pull` progress becomes the job's stages and bytes and whose `/api/delete` removes it; and
+a server without the Ollama API (a plain OpenAI-compatible one) refusing store actions with a
+message, its settings dialog saying "server default" for the defaults it does not tell.
 
 A tiny random Llama is hosted under the recommended recipe's repo id, so the name goes the whole
 way a user's does: recipe -> hub -> convert -> compile -> store. Compiled libraries are shared
@@ -23,12 +24,13 @@ from pathlib import Path
 import httpx
 import pytest
 from server.serve_helpers import Server, start_server, stop_server
-from textual.widgets import DataTable, Static
-from tui_helpers import wait_for
+from textual.widgets import DataTable, Input, Static
+from tui_helpers import chat_ready, wait_for
 
 from localchat.tui.app import LocalchatApp
 from localchat.tui.backend import RECOMMENDED
 from localchat.tui.remote import RemoteBackend
+from localchat.tui.screens.dialogs import SETTINGS_FIELDS, SettingsScreen
 from localchat.tui.screens.models import ModelsScreen
 
 from fixtures import cache_dir
@@ -78,7 +80,8 @@ def rows(screen: ModelsScreen) -> list[str]:
 
 async def pull_recommended_then_delete(app: LocalchatApp) -> None:
     """On an empty store: Enter pulls the recommended model; its job goes through download,
-    convert and compile with byte progress; the model is listed; d, y deletes it."""
+    convert and compile with byte progress; a chat with the model opens and loads it; F2 shows
+    it listed; d, y deletes it."""
     async with app.run_test(size=SIZE) as pilot:
         screen = app.screen
         assert isinstance(screen, ModelsScreen)
@@ -96,6 +99,11 @@ async def pull_recommended_then_delete(app: LocalchatApp) -> None:
         assert job.stages.index("download") < job.stages.index("convert to q4f32_1")
         assert job.files_total >= 2 and job.files_done == job.files_total
         assert job.bytes_total > 100_000 and job.bytes_done == job.bytes_total
+        assert job.model == PULLED
+        chat = await chat_ready(pilot, app)  # the finished pull opened a chat with the model
+        assert chat.model_ref == PULLED and chat.model is not None
+        await pilot.press("f2")
+        assert app.screen is screen
         await wait_for(pilot, lambda: PULLED in rows(screen), what="the pulled model listed")
         assert not screen.query_one("#welcome").display
         panel = screen.query_one("#jobs", Static)
@@ -200,5 +208,23 @@ async def test_a_server_without_the_ollama_api_refuses_store_actions_saying_why(
             await wait_for(pilot, lambda: "rm is not available over --server" in " ".join(
                 n.message for n in app._notifications), what="the delete refusal")
             assert app.screen is screen and not app.jobs
+    finally:
+        backend.close()
+
+
+@pytest.mark.asyncio
+async def test_a_server_that_does_not_tell_its_defaults_shows_server_default(
+        openai_only: str, home: Path) -> None:
+    backend = RemoteBackend(openai_only)
+    app = LocalchatApp(model="other-model", backend=backend)
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            await chat_ready(pilot, app)
+            await pilot.press("ctrl+s")
+            await wait_for(pilot, lambda: isinstance(app.screen, SettingsScreen),
+                           what="settings")
+            shown = {app.screen.query_one(f"#{name}", Input).placeholder
+                     for name in SETTINGS_FIELDS}
+            assert shown == {"server default"}
     finally:
         backend.close()

@@ -1,11 +1,11 @@
 """The terminal UI over a real `localchat serve` (`localchat --server URL`): a server subprocess
 serves the real SmolLM2-135M-Instruct (the server tests' own helpers start it, with an API key)
 and Textual's Pilot drives the app through `RemoteBackend`: the served model listed, a streamed
-reply with client-side stats, Esc stopping it with the partial text kept, a server error shown
-as one line (pulling and deleting through it: test_tui_pull.py); the conversation's settings
-sent as the request's fields (the extensions too: top_k is seen to act); and `localchat --server` at
-launch: a clear error for an unreachable server or a wrong key, the key taken from
-LOCALCHAT_API_KEY."""
+reply with client-side stats (the settings showing the server's defaults), Esc stopping it with
+the partial text kept, a server error shown as one line (pulling and deleting through it:
+test_tui_pull.py); the conversation's settings sent as the request's fields (the extensions
+too: top_k is seen to act); and `localchat --server` at launch: a clear error for an
+unreachable server or a wrong key, the key taken from LOCALCHAT_API_KEY."""
 
 from __future__ import annotations
 
@@ -18,14 +18,15 @@ from typing import Any
 
 import pytest
 from server.serve_helpers import MODEL_REF, Server, free_port, make_home, start_server, stop_server
-from textual.widgets import DataTable, Label, Static
+from textual.widgets import DataTable, Input, Label, Static
 from tui_helpers import chat_ready, send, set_fields, stop_a_long_reply, wait_for
 
-from localchat import Engine
+from localchat import Engine, GenerationConfig
 from localchat.tui.app import LocalchatApp
 from localchat.tui.db import ChatDB
 from localchat.tui.remote import RemoteBackend, request_body
 from localchat.tui.screens.chat import ChatScreen
+from localchat.tui.screens.dialogs import SettingsScreen
 from localchat.tui.screens.models import ModelsScreen
 from localchat.tui.settings import ChatSettings
 
@@ -80,10 +81,21 @@ async def test_the_served_model_is_listed_beside_the_catalog_the_server_pulls_fr
 
 @pytest.mark.asyncio
 async def test_a_question_streams_a_reply_with_client_side_stats(
-        home: Path, backend: RemoteBackend) -> None:
+        home: Path, backend: RemoteBackend, model_dir: Path) -> None:
     app = LocalchatApp(model="smollm2", backend=backend)
     async with app.run_test(size=SIZE) as pilot:
         screen = await chat_ready(pilot, app)
+        # the settings show the server's defaults for the model (its /api/show), and "server
+        # default" for what it does not tell
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: isinstance(app.screen, SettingsScreen), what="settings")
+        defaults = GenerationConfig.from_model_defaults(model_dir)
+        placeholder = {name: app.screen.query_one(f"#{name}", Input).placeholder
+                       for name in ("temperature", "top_k", "max_tokens")}
+        assert placeholder == {"temperature": f"{defaults.temperature:g} (default)",
+                               "top_k": f"{defaults.top_k} (default)",
+                               "max_tokens": "server default"}
+        await pilot.press("escape")
         await set_fields(pilot, app, temperature="0", max_tokens="24")
         await wait_for(pilot, lambda: app.screen is screen, what="settings to close")
         await send(pilot, screen, "What is the capital of France?")

@@ -6,8 +6,10 @@ generates, so the UI thread never waits on TVM); the database is written off the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ from localchat.tui.backend import ChatModel
 from localchat.tui.db import ChatDB, title_from
 from localchat.tui.screens.dialogs import InfoScreen, SettingsScreen
 from localchat.tui.settings import ChatSettings
+from localchat.tui.widgets.jobs import human_bytes
 from localchat.tui.widgets.messages import MessageView
 from localchat.tui.widgets.prompt import PromptInput
 
@@ -62,6 +65,59 @@ class LiveStats:
                    stats.completion_tokens, stats.finish_reason)
 
 
+STAT_LABELS = {
+    "prompt_tokens": "Prompt tokens",
+    "reused_tokens": "Reused tokens",
+    "completion_tokens": "Completion tokens",
+    "ttft_s": "Time to first token",
+    "prefill_tok_s": "Prefill speed",
+    "decode_tok_s": "Decode speed",
+    "sampling_s": "Sampling time",
+    "finish_reason": "Finish reason",
+    "context_tokens": "Context tokens",
+    "dropped_messages": "Dropped messages",
+}
+
+
+def format_stat(name: str, value: Any) -> str:
+    """A stat for people, by its name's unit: `*_tok_s` a rate, `*_s` a duration (ms under a
+    second), `*_bytes` a size (MB, GB), whole numbers (counts) with thousands separators."""
+    if value is None:
+        return "–"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if name.endswith("_tok_s"):
+        return f"{value:,.1f} tok/s"
+    if name.endswith("_s"):
+        if value >= 1:
+            return f"{value:,.2f} s"
+        ms = value * 1000
+        return f"{ms:.1f} ms" if ms < 10 else f"{ms:,.0f} ms"
+    if name.endswith("_bytes"):
+        return human_bytes(value)
+    if isinstance(value, int) or value.is_integer():
+        return f"{int(value):,}"
+    return f"{value:,.2f}"
+
+
+def _stat_label(name: str) -> str:
+    """A label for a stat STAT_LABELS does not name: its words, the unit suffix as what it
+    measures ("load_s" -> "Load time")."""
+    for suffix, what in (("_tok_s", "speed"), ("_s", "time"), ("_bytes", "size")):
+        if name.endswith(suffix):
+            name = f"{name.removesuffix(suffix)} {what}"
+            break
+    return name.replace("_", " ").capitalize()
+
+
+def stats_text(stats: Mapping[str, Any]) -> str:
+    """A reply's stats (`ReplyStats.to_dict()`) as aligned lines, every number formatted."""
+    labels = {name: STAT_LABELS.get(name) or _stat_label(name) for name in stats}
+    width = max((len(label) for label in labels.values()), default=0) + 2
+    return "\n".join(f"{labels[name]:<{width}}{format_stat(name, value)}"
+                     for name, value in stats.items())
+
+
 def export_markdown(title: str, model: str, messages: list[dict[str, str]],
                     directory: Path) -> Path:
     """Write a conversation as Markdown under `directory`; returns the file's path."""
@@ -81,12 +137,14 @@ class ChatScreen(Screen[None]):
     """One conversation with one model."""
 
     BINDINGS = [
-        Binding("escape", "stop", "Stop reply"),
-        Binding("ctrl+r", "regenerate", "Regenerate"),
+        # the footer shows the first keys a newcomer needs and fits 80 columns with the app's
+        # F1-F3; F1 help and the command palette list the rest (Ctrl+C stops, too: app.py)
+        Binding("escape", "stop", "Stop"),
+        Binding("ctrl+r", "regenerate", "Regenerate", show=False),
         Binding("ctrl+s", "settings", "Settings"),
-        Binding("ctrl+o", "export", "Export"),
+        Binding("ctrl+o", "export", "Export", show=False),
         Binding("ctrl+n", "new_chat", "New chat"),
-        Binding("ctrl+b", "copy_last", "Copy reply"),
+        Binding("ctrl+b", "copy_last", "Copy reply", show=False),
         Binding("ctrl+t", "stats_details", "Stats", show=False),
     ]
 
@@ -98,6 +156,7 @@ class ChatScreen(Screen[None]):
         self.model: ChatModel | None = None
         self.stream: Any = None  # the ReplyStream being shown
         self.replying = False  # from sending until the reply is shown and stored
+        self.stop_requested = False  # stop pressed before the reply's stream began
         self.stats = LiveStats()
         self.last_stats: ReplyStats | None = None
         self.edit_from: MessageView | None = None
@@ -146,7 +205,9 @@ class ChatScreen(Screen[None]):
         last = next((m for m in reversed(self.db.messages(conversation_id))
                      if m.role == "assistant" and m.stats), None)
         if last is not None and last.stats:
-            self.stats = LiveStats.of(ReplyStats(**last.stats))
+            known = {f.name for f in dataclasses.fields(ReplyStats)}
+            self.last_stats = ReplyStats(**{k: v for k, v in last.stats.items() if k in known})
+            self.stats = LiveStats.of(self.last_stats)
 
     def _author(self, role: str) -> str:
         return "you" if role == "user" else self.model_ref
@@ -203,9 +264,7 @@ class ChatScreen(Screen[None]):
 
     def action_stats_details(self) -> None:
         st = self.last_stats
-        text = st.summary() if st else "no reply yet"
-        if st:
-            text += "\n\n" + "\n".join(f"{k}: {v}" for k, v in st.to_dict().items())
+        text = stats_text(st.to_dict()) if st else "no reply yet"
         self.app.push_screen(InfoScreen("Last reply", text))
 
     # sending ---------------------------------------------------------------------------------
@@ -225,7 +284,7 @@ class ChatScreen(Screen[None]):
         if not text:
             return
         if self.busy:
-            self.notify("a reply is streaming: Esc stops it", severity="warning")
+            self.notify("a reply is streaming: Esc or Ctrl+C stops it", severity="warning")
             return
         if self.model is None:
             why = self.load_error or "the model is still loading"
@@ -263,6 +322,8 @@ class ChatScreen(Screen[None]):
     def action_stop(self) -> None:
         if self.stream is not None:
             self.stream.cancel()
+        elif self.replying:  # the stream is still being opened: cancelled as soon as it is
+            self.stop_requested = True
         elif self.edit_from is not None:
             self.edit_from = None
             self.query_one(PromptInput).load_text("")
@@ -271,7 +332,7 @@ class ChatScreen(Screen[None]):
     async def _reply(self, text: str | None, cut_from: MessageView | None = None) -> None:
         """Send `text` (None: regenerate the reply to the last user message) and stream the
         reply into a new message view; `cut_from` and later messages are dropped first."""
-        self.replying = True
+        self.replying, self.stop_requested = True, False
         try:
             await self._send_and_stream(text, cut_from)
         finally:
@@ -314,6 +375,8 @@ class ChatScreen(Screen[None]):
         writer = Markdown.get_stream(view.body)
         try:
             self.stream = await asyncio.to_thread(model.reply, key, history, self.settings)
+            if self.stop_requested:
+                self.stream.cancel()
             async for event in self.stream:
                 now = time.monotonic()
                 if isinstance(event, FinishEvent):
@@ -376,6 +439,10 @@ class ChatScreen(Screen[None]):
     # settings, export, copy, new -------------------------------------------------------------
     def action_settings(self) -> None:
         window = self.model.context_window if self.model else None
+        # what a blank field means: the loaded model's defaults; None where the server does
+        # not tell them, or before the model has loaded
+        defaults = self.model.defaults if self.model else None
+        unknown = "server default" if self.model else "model default"
 
         def done(settings: ChatSettings | None) -> None:
             if settings is None:
@@ -392,8 +459,8 @@ class ChatScreen(Screen[None]):
                 self._load_model()
             self.notify("settings saved")
 
-        self.app.push_screen(SettingsScreen(self.settings, max_window=window),
-                             done)
+        self.app.push_screen(SettingsScreen(self.settings, max_window=window,
+                                            defaults=defaults, unknown=unknown), done)
 
     def action_export(self) -> None:
         messages = [dict(v.as_dict(), status=v.status) for v in self.views]

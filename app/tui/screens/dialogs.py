@@ -1,10 +1,12 @@
 """Modal dialogs: confirm, ask for a line of text, help, model details, per-conversation
-settings (with inline validation) and the conversation list."""
+settings (with inline validation, and each blank field showing the default it means) and the
+conversation list."""
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from textual import on
@@ -30,22 +32,27 @@ from localchat.tui.settings import (
 HELP = """\
 [b]Everywhere[/b]
   F1            this help              Ctrl+P   command palette (every action)
-  Ctrl+Q        quit                   F2       models            F3  conversations
+  F2            models                 F3       conversations
+  Ctrl+Q        quit                   Ctrl+C   copy a selection or stop a reply
 
 [b]Models[/b]
-  type          filter the list        ↑ ↓      move
+  type, /       filter the list        ↑ ↓      move
   Enter         chat with an installed model, or pull a catalog one
-  p             pull (highlighted catalog model, or ask for a name / repo / path)
-  d             delete the model (asks first)     i  details     b  compile for this device
+  p             pull (the highlighted catalog model, or a name / repo / path)
+  d             delete the model (asks first)
+  i             details                b        compile for this device
   Esc           cancel the newest running pull
 
 [b]Chat[/b]
-  Enter         send                   Ctrl+J   newline (Shift+Enter where the terminal sends it)
-  ↑             recall earlier prompts Esc      stop the reply (the partial text is kept, marked)
-  Ctrl+R        regenerate the last reply       Ctrl+S   settings (system prompt, parameters)
-  Ctrl+O        export to Markdown              Ctrl+N   new conversation
-  Ctrl+B        copy the last reply (OSC 52)    Ctrl+T   detailed stats
-  Tab           focus messages; on a message: c copy, b copy code block, e edit & resend
+  Enter         send                   ↑        recall earlier prompts
+  Ctrl+J        newline (Shift+Enter too, where the terminal sends it)
+  Esc, Ctrl+C   stop the reply (the partial text is kept, marked stopped)
+  Ctrl+R        regenerate the last reply       Ctrl+N   new conversation
+  Ctrl+S        settings (system prompt, parameters, output format)
+  Ctrl+O        export to Markdown              Ctrl+T   stats of the last reply
+  Ctrl+B        copy the last reply (OSC 52: works over SSH and tmux)
+  Tab           focus the messages; on one: c copy, b copy its last code block,
+                e edit & resend (your messages)
 """
 
 
@@ -151,6 +158,30 @@ SETTINGS_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty
                    "max_tokens", "seed", "context_window")
 
 
+def default_placeholders(defaults: Mapping[str, Any] | None, window: int | None,
+                         unknown: str = "model default") -> dict[str, str]:
+    """What each blank settings field means, shown in it: the model's default
+    (`ChatModel.defaults`, GenerationConfig's names; "0.8 (default)") or, where that is not
+    known (a server that does not tell), `unknown`."""
+    known = defaults or {}
+    out = {name: _default_text(name, known) if name in known else unknown
+           for name in SETTINGS_FIELDS}
+    out["context_window"] = f"{window} (the model's)" if window else unknown
+    return out
+
+
+def _default_text(name: str, defaults: Mapping[str, Any]) -> str:
+    value = defaults[name]
+    if value is None:
+        text = {"max_tokens": "no limit", "seed": "random"}.get(name, "none")
+    else:
+        text = f"{value:g}" if isinstance(value, float) else str(value)
+    window = defaults.get("repetition_window")
+    if name == "repetition_penalty" and value != 1 and window:
+        text += f" over the last {window} tokens"
+    return f"{text} (default)"
+
+
 class SettingsScreen(ModalScreen[ChatSettings | None]):
     """The conversation's system prompt, parameters and output format (text, JSON, or a JSON
     Schema typed in a text area). Each field is checked as it is typed; Save applies only when
@@ -158,10 +189,13 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
 
     BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "save", "Save")]
 
-    def __init__(self, settings: ChatSettings, max_window: int | None = None) -> None:
+    def __init__(self, settings: ChatSettings, max_window: int | None = None,
+                 defaults: Mapping[str, Any] | None = None,
+                 unknown: str = "model default") -> None:
         super().__init__()
         self.settings = settings
         self.max_window = max_window
+        self.placeholders = default_placeholders(defaults, max_window, unknown)
 
     def compose(self) -> ComposeResult:
         text = self.settings.as_text()
@@ -174,7 +208,7 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
             for name in SETTINGS_FIELDS:
                 with Horizontal(classes="field"):
                     yield Label(FIELD_LABELS[name], classes="field-label")
-                    yield Input(text[name], id=name, placeholder="default")
+                    yield Input(text[name], id=name, placeholder=self.placeholders[name])
                 yield Label("", id=f"error-{name}", classes="field-error")
             with Horizontal(classes="field"):
                 yield Label(FIELD_LABELS["output_format"], classes="field-label")

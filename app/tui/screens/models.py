@@ -37,7 +37,7 @@ class ModelsScreen(Screen[None]):
         Binding("p", "pull", "Pull"),
         Binding("d", "delete", "Delete"),
         Binding("i", "details", "Details"),
-        Binding("b", "compile", "Compile"),
+        Binding("b", "compile", "Compile", show=False),  # the footer fits 80 columns: F1 has it
         Binding("slash", "focus_filter", "Filter", show=False),
         Binding("escape", "cancel_job", "Cancel pull", show=False),
     ]

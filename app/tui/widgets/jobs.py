@@ -38,6 +38,7 @@ class Job:
     download_started: float | None = None
     cancel_requested: bool = False
     stages: list[str] = field(default_factory=list)  # every stage seen, in order
+    model: str = ""  # when done: the ref of the model it installed ("" if not known)
 
     @property
     def active(self) -> bool:

@@ -1,5 +1,6 @@
 """One chat message on screen: who wrote it, its Markdown body, and its state (streaming,
-stopped, failed). Focus one to copy it, copy its last code block, or edit and resend it."""
+stopped, failed). Focus one to copy it, copy its last code block, or edit and resend it; its
+header then names those keys (the footer has no room for them at 80 columns)."""
 
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ class MessageView(Vertical, can_focus=True):
     """A message: a header line and a Markdown body."""
 
     BINDINGS = [
-        Binding("c", "copy", "Copy"),
-        Binding("b", "copy_code", "Copy code"),
-        Binding("e", "edit", "Edit & resend"),
+        Binding("c", "copy", "Copy", show=False),
+        Binding("b", "copy_code", "Copy code", show=False),
+        Binding("e", "edit", "Edit & resend", show=False),
     ]
 
     class EditRequested(Message):
@@ -48,7 +49,7 @@ class MessageView(Vertical, can_focus=True):
         self.error: str | None = None
 
     def compose(self) -> ComposeResult:
-        yield Label(self._header(), classes="message-header")
+        yield Label(self._header(), classes="message-header", markup=False)
         yield Markdown(self.content, classes="message-body")
 
     @property
@@ -56,10 +57,21 @@ class MessageView(Vertical, can_focus=True):
         """The Markdown widget of the body."""
         return self.query_one(Markdown)
 
-    def _header(self) -> str:
+    def _header(self, focused: bool = False) -> str:
         mark = STATUS_MARKS.get(self.status, "")
         text = f"{self.author}  {mark}".rstrip()
-        return f"{text}  {self.error}" if self.error else text
+        if self.error:
+            text = f"{text}  {self.error}"
+        if focused:
+            keys = "c copy · b copy code" + (" · e edit & resend" if self.role == "user" else "")
+            text = f"{text}  ({keys})"
+        return text
+
+    def on_focus(self) -> None:
+        self.query_one(".message-header", Label).update(self._header(focused=True))
+
+    def on_blur(self) -> None:
+        self.query_one(".message-header", Label).update(self._header())
 
     def set_status(self, status: str, error: str | None = None) -> None:
         """Mark the message (e.g. "cancelled": the reply was stopped, its text is partial)."""
@@ -67,7 +79,7 @@ class MessageView(Vertical, can_focus=True):
         self.error = error
         self.set_class(status == "cancelled", "-cancelled")
         self.set_class(status == "error", "-error")
-        self.query_one(".message-header", Label).update(self._header())
+        self.query_one(".message-header", Label).update(self._header(self.has_focus))
 
     def as_dict(self) -> dict[str, str]:
         """The message for the model."""
