@@ -25,6 +25,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from localchat.server import config_from_args, run
 
+    from localchat.cli.pull import ensure_local_model
+
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
-    run(config_from_args(args))
+    config = config_from_args(args)
+    # a missing known model is pulled once the port is ours (a taken port fails before)
+    run(config, prepare=lambda: [ensure_local_model(m, config.device) for m in config.models])
     return 0

@@ -49,6 +49,10 @@ def launch(model: str | None, server: str | None, device: str = "auto",
             print("localchat: error: the terminal UI needs a terminal; see `localchat --help` "
                   "for the commands", file=sys.stderr)
             return 2
+        if model is not None and backend is None:  # a missing known model is pulled first
+            from localchat.cli.pull import ensure_local_model
+
+            model = ensure_local_model(model, device)
         from localchat.tui.app import LocalchatApp
 
         app = LocalchatApp(model=model, device=device, backend=backend)

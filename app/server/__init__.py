@@ -1,9 +1,11 @@
 """`localchat serve`: an OpenAI- and Ollama-compatible HTTP API over the engine.
 
     from localchat.server import ServerConfig, create_app, run
-    run(ServerConfig(port=8000, models=["smollm2-135m-instruct"]))
+    run(ServerConfig(models=["smollm2-135m-instruct"]))  # on 127.0.0.1:11434
 
-`create_app` gives the FastAPI application (for uvicorn or tests); `add_arguments` and
+The default address is 127.0.0.1:11434, Ollama's, so Ollama's clients find the server with no
+setting; `run` binds it before anything loads, and a taken port is one error line saying who
+holds it. `create_app` gives the FastAPI application (for uvicorn or tests); `add_arguments` and
 `config_from_args` (localchat.server.cli) are the command line that both `localchat serve` and
 `python -m localchat.server` use. FastAPI loads on first use of `create_app` or `run`, so the
 command line stays fast.

@@ -7,7 +7,7 @@ import asyncio
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -19,12 +19,13 @@ from localchat import __version__
 from localchat.server import errors, ollama_api, openai_api
 from localchat.server.config import ServerConfig
 from localchat.server.errors import APIError, error_body
+from localchat.server.listen import ROOT_TEXT, display_address, listen
 from localchat.server.metrics import Metrics
 from localchat.server.pool import ModelPool
 from localchat.server.state import ServerState, state_of
 
 log = logging.getLogger("localchat.server")
-OPEN_PATHS = ("/health",)
+OPEN_PATHS = ("/", "/health")  # `/` is the heartbeat Ollama's clients send
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
           "/tokenize", "/detokenize", "/api/chat", "/api/generate", "/api/tags", "/api/show",
           "/api/ps", "/api/version", "/api/pull")
@@ -152,9 +153,9 @@ def create_app(config: ServerConfig | None = None, pool: ModelPool | None = None
         return PlainTextResponse(state.metrics.render(list(state.pool.loaded.values())),
                                  media_type="text/plain; version=0.0.4")
 
-    @app.get("/")
+    @app.api_route("/", methods=["GET", "HEAD"])
     async def root() -> PlainTextResponse:
-        return PlainTextResponse("localchat is running")
+        return PlainTextResponse(ROOT_TEXT)
 
     app.add_middleware(Guard, config=config, metrics=metrics)
     if config.cors_origins:
@@ -186,16 +187,30 @@ async def _reap(pool: ModelPool) -> None:
             log.exception("unloading expired models failed")
 
 
-def run(config: ServerConfig, *, announce: Any = print) -> None:
-    """Serve until interrupted (uvicorn); `announce` gets the URL and model lines."""
-    import uvicorn
+def run(config: ServerConfig, *, announce: Any = print,
+        prepare: Callable[[], object] | None = None) -> None:
+    """Serve until interrupted (uvicorn).
 
-    app = create_app(config)
-    host = config.host
-    shown = f"[{host}]" if ":" in host else host
-    announce(f"localchat serve: http://{shown}:{config.port} (OpenAI API at /v1, Ollama API "
-             f"at /api)")
-    announce(f"models: {', '.join(config.models) if config.models else 'loaded on first use'}"
-             + ("; API key required" if config.api_key else ""))
-    uvicorn.run(app, host=host, port=config.port, log_level="info", access_log=False,
-                timeout_graceful_shutdown=5)
+    The port is bound first: a taken one is an AddressError (one line) before `prepare` (work
+    such as pulling a missing --model), the banner, or any model load; uvicorn then serves on
+    that very socket. `announce` gets the URL and model lines.
+    """
+    sock = listen(config.host, config.port)
+    try:
+        if prepare is not None:
+            prepare()
+        import uvicorn
+
+        app = create_app(config)
+        address = display_address(config.host, sock.getsockname()[1])
+        announce(f"localchat serve: http://{address} (OpenAI API at /v1, Ollama API at /api)")
+        announce(f"models: {', '.join(config.models) if config.models else 'loaded on first use'}"
+                 + ("; API key required" if config.api_key else ""))
+        server = uvicorn.Server(uvicorn.Config(app, log_level="info", access_log=False,
+                                               timeout_graceful_shutdown=5))
+        try:
+            server.run(sockets=[sock])
+        except KeyboardInterrupt:
+            pass
+    finally:
+        sock.close()

@@ -16,7 +16,8 @@ from localchat.server.config import DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAUL
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Add the server's options to a parser."""
     p.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST})")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT,
+                   help=f"port (default {DEFAULT_PORT}, Ollama's: its clients need no setting)")
     p.add_argument("--model", action="append", default=[], metavar="NAME",
                    help="a stored model (name or name:quant) to load at start; repeatable; "
                         "others load on first use")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8000
+DEFAULT_PORT = 11434  # Ollama's: its clients (ollama.Client(), oterm) find us unset
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
 

@@ -81,6 +81,14 @@ def options(opts: p.OllamaOptions | None) -> dict[str, Any]:
         out.pop("seed")  # Ollama: -1 is "random"
     if opts.repeat_penalty is not None:
         out["repetition_penalty"] = opts.repeat_penalty
+    if opts.repeat_last_n is not None:  # Ollama: 0 turns the penalty off, -1 is the whole context
+        if opts.repeat_last_n == 0:
+            out["repetition_penalty"] = 1.0
+        elif opts.repeat_last_n < -1:
+            raise InvalidRequestError("repeat_last_n must be >= -1 (-1: the whole context)",
+                                      "repeat_last_n")
+        else:
+            out["repetition_window"] = max(opts.repeat_last_n, 0)
     if opts.num_predict is not None and opts.num_predict >= 0:
         if opts.num_predict == 0:
             raise InvalidRequestError("num_predict must be positive (or -1: no limit)",
@@ -312,7 +320,7 @@ def _model_entry(ref: str, path: Any, size: int, config: dict[str, Any],
             "digest": digest(f"{ref}:{path}"), "details": details(config, quant)}
 
 
-@router.get("/tags")
+@router.api_route("/tags", methods=["GET", "HEAD"])
 async def tags(request: Request) -> JSONResponse:
     state = state_of(request)
     models = [_model_entry(m.ref, m.path, m.size_bytes, m.config, m.quantization)
@@ -333,8 +341,11 @@ async def show(request: Request) -> JSONResponse:
     config = md.load_config(path)
     quant = str(config.get("quantization") or "")
     defaults = GenerationConfig.from_model_defaults(path)
-    params = "\n".join(f"{k} {getattr(defaults, k)}" for k in
-                       ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"))
+    # Ollama's parameter names; the same defaults `run` and the UI use
+    params = "\n".join(f"{name} {getattr(defaults, field)}" for name, field in (
+        ("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"),
+        ("min_p", "min_p"), ("repeat_penalty", "repetition_penalty"),
+        ("repeat_last_n", "repetition_window")))
     template_file = path / "chat_template.jinja"
     template = (template_file.read_text(encoding="utf-8") if template_file.is_file()
                 else str(config.get("template") or ""))
@@ -366,7 +377,7 @@ async def ps(request: Request) -> JSONResponse:
     return JSONResponse({"models": models})
 
 
-@router.get("/version")
+@router.api_route("/version", methods=["GET", "HEAD"])
 async def version() -> JSONResponse:
     return JSONResponse({"version": __version__})
 

@@ -227,6 +227,7 @@ class OllamaOptions(BaseModel):
     seed: int | None = None
     stop: list[str] | None = None
     repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
 

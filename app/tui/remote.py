@@ -267,7 +267,7 @@ class RemoteBackend:
                  transport: httpx.BaseTransport | None = None) -> None:
         parts = urlsplit(url if "://" in url else f"http://{url}")
         if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ServerError(f"--server must be an http(s) URL like http://127.0.0.1:8000, "
+            raise ServerError(f"--server must be an http(s) URL like http://127.0.0.1:11434, "
                               f"got {url!r}")
         self.url = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
         # whether pull and delete work here: learnt off the UI thread by `check`

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import httpx
 
+from localchat.server.config import DEFAULT_PORT
+
 from fixtures import converted, smollm2_hf_dir
 
 MODEL = "smollm2"
@@ -51,15 +53,17 @@ def make_home(root: Path) -> Path:
 
 
 def start_server(home: Path, log: Path, *args: str, ready: bool = True,
-                 env: dict[str, str | None] | None = None) -> Server:
-    """Start a server on `home`; `env` adds to the environment (None: removes a variable)."""
-    port = free_port()
+                 env: dict[str, str | None] | None = None, default_port: bool = False) -> Server:
+    """Start a server on `home` on a free port (default_port: with no --port, so on 11434);
+    `env` adds to the environment (None: removes a variable)."""
+    port = DEFAULT_PORT if default_port else free_port()
     merged = {**os.environ, "LOCALCHAT_HOME": str(home), **(env or {})}
     env = {k: v for k, v in merged.items() if v is not None}
+    port_args = [] if default_port else ["--port", str(port)]
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "localchat.server", "--port", str(port), "--device", "cpu",
-             *args], env=env, stdout=out, stderr=subprocess.STDOUT)
+            [sys.executable, "-m", "localchat.server", *port_args, "--device", "cpu", *args],
+            env=env, stdout=out, stderr=subprocess.STDOUT)
     server = Server(f"http://127.0.0.1:{port}", proc, log, home, [])
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:

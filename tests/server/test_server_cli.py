@@ -22,7 +22,7 @@ def test_defaults_bind_loopback() -> None:
     args = parse()
     assert args.handler is serve.cmd_serve
     config = config_from_args(args)
-    assert (config.host, config.port) == ("127.0.0.1", 8000)
+    assert (config.host, config.port) == ("127.0.0.1", 11434)  # Ollama's
     assert config.api_key is None and config.cors_origins == [] and config.models == []
 
 

@@ -79,6 +79,15 @@ def test_tags_show_ps_version(client: ollama.Client, server: Server) -> None:
     assert info_err.value.status_code == 404
 
 
+def test_heartbeat_answers_get_and_head(server: Server) -> None:
+    root = httpx.get(f"{server.url}/")
+    assert (root.status_code, root.text) == (200, "localchat is running")
+    head = httpx.head(f"{server.url}/")
+    assert head.status_code == 200 and head.content == b""
+    for path in ("/api/version", "/api/tags"):
+        assert httpx.head(f"{server.url}{path}").status_code == 200
+
+
 def test_pull_of_an_unknown_name_is_404(server: Server) -> None:
     r = httpx.post(f"{server.url}/api/pull", json={"model": "no-such-model-anywhere"})
     assert r.status_code == 404 and isinstance(r.json()["error"], str)

@@ -1,6 +1,6 @@
 """A second server with an API key, CORS, one sequence and a queue of one, and no model loaded
-at start: the key (with /health open), CORS, 503 when the queue is full, lazy loading and
-Ollama's keep_alive."""
+at start: the key (with /health and the / heartbeat open), CORS, 503 when the queue is full,
+lazy loading and Ollama's keep_alive."""
 
 from __future__ import annotations
 
@@ -28,8 +28,9 @@ def locked(server_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     stop_server(srv)
 
 
-def test_key_required_but_health_open(locked: Server) -> None:
+def test_key_required_but_health_and_heartbeat_open(locked: Server) -> None:
     assert httpx.get(f"{locked.url}/health").status_code == 200
+    assert httpx.head(f"{locked.url}/").status_code == 200
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
         r = httpx.get(f"{locked.url}/v1/models", headers=headers)
         assert r.status_code == 401
