@@ -23,9 +23,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """`localchat serve [options]`."""
     import logging
 
-    from localchat.server import config_from_args, run
-
     from localchat.cli.pull import ensure_local_model
+    from localchat.server import config_from_args, run
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
     config = config_from_args(args)
