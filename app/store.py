@@ -9,7 +9,7 @@ Layout (``LOCALCHAT_HOME`` puts everything under one directory)::
     <cache>/downloads/                                           source files of pulls
     <cache>/libs/                                                compiled-library cache
 
-The model-directory format itself (config schema, library names) is `localchat.engine.model_dir`.
+The model-directory format itself (config schema, library names) is `localchat.model_dir`.
 
 Names work as in Ollama: a bare `name` means `name:<its default quantization>` (the one the first
 pull of the name made, or the one a later `pull NAME` without `--quant` made); `name:quant` means
@@ -32,7 +32,7 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 
-from localchat.engine import model_dir as md
+from localchat import model_dir as md
 from localchat.errors import LocalchatError, ModelConfigError, ModelNotFoundError, StoreError
 from localchat.paths import cache_dir, data_dir
 

@@ -197,8 +197,8 @@ def llama_1b_model_dir(quant: str) -> Path:
     """Ours: the same GGUF imported (as `localchat pull FILE.gguf` does) and converted."""
     import shutil
 
-    from localchat.engine.convert import convert_model
-    from localchat.engine.gguf import gguf_to_hf_folder
+    from localchat.engine.build.convert import convert_model
+    from localchat.engine.build.gguf import gguf_to_hf_folder
 
     out = _bench_dir() / f"localchat-{quant}"
     if (out / "localchat-config.json").exists():
@@ -218,7 +218,7 @@ def run_localchat(shape: str, quant: str) -> dict:
     import tempfile
     import time
 
-    from localchat.engine.convert import convert_model
+    from localchat.engine.build.convert import convert_model
     from localchat.engine.runtime import Model
 
     from fixtures import smollm2_hf_dir

@@ -67,9 +67,9 @@ def main() -> None:
     import numpy as np
     import tvm
 
+    from localchat.engine.build.quantization import dequantize_q4, get_quant_mode, quantize_q4
     from localchat.engine.kernels import gemv, matmul
     from localchat.engine.kernels.common import has_avx512, has_avx512_vnni
-    from localchat.engine.quantization import dequantize_q4, get_quant_mode, quantize_q4
 
     mode = get_quant_mode(args.quant)
     dtype = mode.dtype

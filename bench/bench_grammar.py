@@ -1,12 +1,13 @@
-"""The cost of structured output: xgrammar's token mask per step against a SmolLM2 decode step.
+"""The cost of structured output: llguidance's token mask per step against a SmolLM2 decode step.
 
     python bench/bench_grammar.py [--model DIR] [--device cpu] [--tokens 48]
 
 For each response format it walks a valid reply token by token through a fresh constraint and
-times, per token, filling the bitmask (xgrammar) plus applying it to a 49 152-entry logits row
-(numpy), and the matcher's accept. Then it runs real replies on the engine with and without the
-format and reports the decode step (scheduler counters) and end-to-end tokens/s, so the mask's
-share of a decode step is read off the table. `--model` defaults to the test fixture SmolLM2
+times, per token, filling the bitmask (llguidance) plus applying it to a 49 152-entry logits row
+(numpy), and the matcher's accept. The formats: JSON mode, a schema, a GBNF grammar, and a tool
+call after free text. Then it runs real replies on the engine with and without the format and
+reports the decode step (scheduler counters) and end-to-end tokens/s, so the mask's share of a
+decode step is read off the table. `--model` defaults to the test fixture SmolLM2
 (q4f32_1, converted on first use).
 """
 
@@ -23,6 +24,7 @@ import numpy as np
 
 from localchat import Engine
 from localchat.engine.grammar import TokenConstraint
+from localchat.server.tools import Tool, call_format
 
 SCHEMA = {"type": "object", "properties": {
     "title": {"type": "string", "maxLength": 40},
@@ -32,12 +34,19 @@ SCHEMA = {"type": "object", "properties": {
     "required": ["title", "year", "tags"], "additionalProperties": False}
 SAMPLE = {"title": "The Long Walk Home Again", "year": 1987,
           "tags": ["drama", "road movie", "family"], "rating": 7.5}
+WEATHER = Tool("get_weather", {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"]}, {})
+CALL = ('I will look it up. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+        '"unit": "celsius"}}\n</tool_call>')
 GRAMMAR = 'root ::= expr\nexpr ::= num (("+" | "-" | "*") num)*\nnum ::= [1-9] [0-9]*'
 FORMATS = {
     "json_object": ({"type": "json_object"}, json.dumps(SAMPLE)),
     "json_schema": ({"type": "json_schema", "json_schema": {"schema": SCHEMA}},
                     json.dumps(SAMPLE)),
     "grammar": ({"type": "grammar", "grammar": GRAMMAR}, "12+345*6-78+9*10-11+12*13-14+150"),
+    # tool_choice "auto": free text that may not hold the call's opening, then the call
+    "tool_call": (call_format("tag", "auto", [WEATHER]), CALL),
 }
 PROMPT = [{"role": "user", "content": "Describe a film as JSON with title, year and tags."}]
 

@@ -75,10 +75,10 @@ def make_config(layers: int, chunk: int):
 
 
 def compile_lib(quant: str, layers: int) -> tuple[Path, float]:
-    from localchat.engine.compile import compile_library
+    from localchat.engine.build.compile import compile_library
+    from localchat.engine.build.quantization import get_quant_mode
     from localchat.engine.device import cpu_target
     from localchat.engine.models import get_architecture
-    from localchat.engine.quantization import get_quant_mode
 
     lib = compile_library(
         get_architecture("rwkv4"),
@@ -237,9 +237,9 @@ def measure(quant: str, layers: int, prompt_len: int, steps: int, chunks: list[i
     import tvm
     from tvm import relax
 
+    from localchat.engine.build.quantization import get_quant_mode
     from localchat.engine.device import cpu_target
     from localchat.engine.models import get_architecture
-    from localchat.engine.quantization import get_quant_mode
 
     proc = subprocess.run(
         [sys.executable, __file__, "--compile-only", quant, str(layers)],

@@ -111,7 +111,8 @@ def _engine_digest() -> str:
     import hashlib
 
     app = Path(__file__).resolve().parent.parent / "app" / "engine"
-    files = [app / "convert.py", app / "quantization.py", app / "weights.py"]
+    build = app / "build"
+    files = [build / "convert.py", build / "quantization.py", build / "weights.py"]
     files += sorted((app / "models").glob("*.py"))
     h = hashlib.sha256()
     for f in files:
@@ -121,7 +122,7 @@ def _engine_digest() -> str:
 
 def converted(src: Path, quant: str) -> Path:
     """`src` converted to `quant` in the test cache (its compiled library is cached inside)."""
-    from localchat.engine.convert import convert_model
+    from localchat.engine.build.convert import convert_model
 
     out = cache_dir() / "converted" / f"{src.name}-{quant}-{_engine_digest()}"
     if not (out / "localchat-config.json").exists():

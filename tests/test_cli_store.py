@@ -17,7 +17,7 @@ import pytest
 
 from localchat.cli import main
 from localchat.downloader.pull import EngineHooks, pull
-from localchat.engine.model_dir import CONFIG_FILE as MODEL_CONFIG
+from localchat.model_dir import CONFIG_FILE as MODEL_CONFIG
 from localchat.prebuilt import PrebuiltIndex
 from localchat.store import Store
 
@@ -49,10 +49,10 @@ def store(tmp_path: Path) -> Store:
 
 def canonical_library(quant: str = "q4f32_1") -> str:
     """The file name the runtime loads for the tiny config on this machine's CPU."""
-    from localchat.engine.compile import library_key, target_key
+    from localchat.engine.build.compile import library_key, target_key
+    from localchat.engine.build.quantization import get_quant_mode
     from localchat.engine.device import cpu_target
     from localchat.engine.models import get_architecture
-    from localchat.engine.quantization import get_quant_mode
 
     arch = get_architecture("llama")
     target = cpu_target()

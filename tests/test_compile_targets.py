@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import tvm
 
-from localchat.engine.compile import compile_library, export_module
-from localchat.engine.convert import read_hf_config
+from localchat.engine.build.compile import compile_library, export_module
+from localchat.engine.build.convert import read_hf_config
+from localchat.engine.build.quantization import get_quant_mode
 from localchat.engine.device import cuda_target, metal_target
 from localchat.engine.models import detect_architecture
-from localchat.engine.quantization import get_quant_mode
 
 from llama_variants import build_variant
 
@@ -38,7 +38,7 @@ def test_metal_codegen() -> None:
     arch, cfg, mode = _model("q4f16_1")
     target = metal_target()
     mod, _ = export_module(arch, cfg, mode, target)
-    from localchat.engine.compile import relax_pipeline
+    from localchat.engine.build.compile import relax_pipeline
 
     ex = tvm.compile(mod, target=target, relax_pipeline=relax_pipeline(target))
 

@@ -33,7 +33,6 @@ from localchat.downloader.hub import HubClient
 from localchat.downloader.progress import RichProgress
 from localchat.downloader.pull import EngineHooks, PullResult, parse_source, pull
 from localchat.downloader.space import check_free_space
-from localchat.engine.model_dir import CONFIG_FILE as MODEL_CONFIG
 from localchat.errors import (
     AccessDeniedError,
     DiskSpaceError,
@@ -46,6 +45,7 @@ from localchat.errors import (
     UnsupportedModelError,
     WeightsError,
 )
+from localchat.model_dir import CONFIG_FILE as MODEL_CONFIG
 from localchat.prebuilt import PrebuiltIndex, PrebuiltLibrary, PrebuiltWeights, index_to_toml
 from localchat.store import Store
 

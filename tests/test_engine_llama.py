@@ -135,10 +135,10 @@ def test_linear_kernels_give_a_row_the_same_bits_whatever_the_batch(
     what it is batched with (the server's N concurrent requests equal their solo runs)."""
     import tvm
 
+    from localchat.engine.build.quantization import dequantize_q4, quantize_q4
     from localchat.engine.device import cpu_target
     from localchat.engine.kernels import gemv, matmul
     from localchat.engine.kernels.common import has_avx512
-    from localchat.engine.quantization import dequantize_q4, quantize_q4
 
     rng = np.random.default_rng(k + n)
     words, scale = quantize_q4(rng.standard_normal((n, k), dtype=np.float32) * 0.05, "float32")

@@ -122,10 +122,10 @@ def test_q0f32_matches_transformers(variant: str, model: Model) -> None:
 def test_rescale_is_applied_at_load_and_run_time() -> None:
     """The rescaled model's weights are divided per layer (so the run-time halving must be
     there for the logits above to match)."""
-    from localchat.engine.convert import read_hf_config
+    from localchat.engine.build.convert import read_hf_config
+    from localchat.engine.build.weights import open_weights
     from localchat.engine.models.rwkv4 import Rwkv4Config
     from localchat.engine.models.rwkv4_weights import hf_params
-    from localchat.engine.weights import open_weights
 
     src = build_variant("rwkv4-rescale")
     cfg = Rwkv4Config.from_hf(read_hf_config(src))
@@ -368,11 +368,11 @@ def test_cuda_kernels_build() -> None:
     from tvm.relax.backend import gpu_generic
     from tvm.s_tir import dlight as dl
 
-    from localchat.engine.compile import export_module
-    from localchat.engine.convert import read_hf_config
+    from localchat.engine.build.compile import export_module
+    from localchat.engine.build.convert import read_hf_config
+    from localchat.engine.build.quantization import get_quant_mode
     from localchat.engine.device import cuda_target
     from localchat.engine.models import detect_architecture
-    from localchat.engine.quantization import get_quant_mode
 
     hf = read_hf_config(build_variant("rwkv4"))
     arch = detect_architecture(hf)
@@ -413,10 +413,10 @@ def test_gemv_kernels_match_numpy(k: int, n: int, m: int) -> None:
     numpy on the dequantized weights."""
     import tvm
 
+    from localchat.engine.build.quantization import dequantize_q4, quantize_q4
     from localchat.engine.device import cpu_target
     from localchat.engine.kernels import gemv
     from localchat.engine.kernels.common import has_avx512 as _has_avx512
-    from localchat.engine.quantization import dequantize_q4, quantize_q4
 
     rng = np.random.default_rng(k + n + m)
     w = rng.standard_normal((n, k), dtype=np.float32) * 0.05

@@ -70,8 +70,8 @@ def _run(lib, args, m: int, n: int) -> np.ndarray:
     ],
 )
 def test_vnni_gemv_matches_numpy_and_is_batch_invariant(k: int, n: int, bias: bool) -> None:
+    from localchat.engine.build.quantization import dequantize_q4, padded_k, quantize_q4
     from localchat.engine.kernels import gemv
-    from localchat.engine.quantization import dequantize_q4, padded_k, quantize_q4
 
     target = _target()
     rng = np.random.default_rng(k * 31 + n)
@@ -98,8 +98,8 @@ def test_vnni_gemv_matches_numpy_and_is_batch_invariant(k: int, n: int, bias: bo
 
 def test_vnni_gemv_float16() -> None:
     """q4f16 modes: x, scales, bias and y in float16 (accumulation in float32)."""
+    from localchat.engine.build.quantization import dequantize_q4, padded_k, quantize_q4
     from localchat.engine.kernels import gemv
-    from localchat.engine.quantization import dequantize_q4, padded_k, quantize_q4
 
     target = _target()
     k, n = 640, 24

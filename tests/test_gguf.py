@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from localchat.engine import gguf as lg
+from localchat.engine.build import gguf as lg
 from localchat.errors import ModelConfigError, UnsupportedModelError
 
 from fixtures import cache_dir, converted, smollm2_gguf, smollm2_hf_dir
@@ -348,7 +348,7 @@ def test_q4_1_gguf_defaults_to_q4f32_asym_which_holds_it_exactly(tiny: Path,
 
     from localchat.downloader.pull import EngineHooks, pull
     from localchat.engine import build
-    from localchat.engine.quantization import dequantize_q4, dequantize_q8
+    from localchat.engine.build.quantization import dequantize_q4, dequantize_q8
     from localchat.prebuilt import PrebuiltIndex
     from localchat.store import Store
 

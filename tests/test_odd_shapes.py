@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from localchat.engine.quantization import (
+from localchat.engine.build.quantization import (
     dequantize_q4,
     dequantize_q8,
     quantize_q4,
@@ -222,9 +222,9 @@ def test_gpu_dequantize_path_reads_only_real_columns() -> None:
     from tvm import relax
     from tvm.relax.frontend import nn
 
+    from localchat.engine.build.quantization import get_quant_mode
     from localchat.engine.device import cpu_target
     from localchat.engine.models.layers import Embedding, Linear
-    from localchat.engine.quantization import get_quant_mode
 
     k, n, vocab = 344, 24, 11
     mode = get_quant_mode("q4f32_1")
@@ -266,8 +266,8 @@ def test_gpu_dequantize_path_reads_only_real_columns() -> None:
 def test_failed_compile_leaves_nothing_behind(tmp_path: Path, monkeypatch) -> None:
     """convert_model compiling for a device: when the compile fails, neither the output
     directory nor a temporary sibling remains."""
-    from localchat.engine import compile as lc_compile
-    from localchat.engine.convert import convert_model
+    from localchat.engine.build import compile as lc_compile
+    from localchat.engine.build.convert import convert_model
 
     def broken(*_args, **_kwargs):
         raise RuntimeError("reduction size 344 is not a multiple of 32")
@@ -286,7 +286,7 @@ def test_failed_compile_leaves_nothing_behind(tmp_path: Path, monkeypatch) -> No
 def test_compile_for_puts_the_library_in_place(tmp_path: Path) -> None:
     """convert_model with `compile_for` leaves a directory whose library is already in lib/
     (shared with the library cache, so this reuses the compile of the oracle test)."""
-    from localchat.engine.convert import convert_model
+    from localchat.engine.build.convert import convert_model
 
     model("llama-odd", "q0f32")  # the library, compiled once per session
     out = convert_model(source("llama-odd"), tmp_path / "odd", "q0f32", compile_for="cpu")

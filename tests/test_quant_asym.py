@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from localchat.engine.quantization import (
+from localchat.engine.build.quantization import (
     dequantize_q4,
     dequantize_q8,
     get_quant_mode,
@@ -114,7 +114,7 @@ def test_modes() -> None:
 def test_model_parameters_of_the_asym_layout() -> None:
     """A Linear has weight and scale (float16 scale and min side by side); the embedding and an
     untied LM head are int8 with float16 scales; the symmetric modes' parameters are as before."""
-    from localchat.engine.convert import read_hf_config
+    from localchat.engine.build.convert import read_hf_config
     from localchat.engine.device import cpu_target
     from localchat.engine.models import detect_architecture
 

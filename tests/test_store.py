@@ -12,9 +12,9 @@ from pathlib import Path
 import platformdirs
 import pytest
 
-from localchat.engine.model_dir import CONFIG_FILE as MODEL_CONFIG
-from localchat.engine.model_dir import MANIFEST_FILE
 from localchat.errors import LocalchatError, ModelNotFoundError, StoreError
+from localchat.model_dir import CONFIG_FILE as MODEL_CONFIG
+from localchat.model_dir import MANIFEST_FILE
 from localchat.store import Store
 
 

@@ -1,5 +1,5 @@
 """Structured output on real models: JSON mode, JSON Schema and grammars constrain every token
-(xgrammar's mask before sampling), in batches beside free replies, on both tokenizer kinds."""
+(llguidance's mask before sampling), in batches beside free replies, on both tokenizer kinds."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
+import numpy as np
 import pytest
 
 from localchat import Engine, GenerationConfig
@@ -102,6 +103,14 @@ factor ::= num | "(" expr ")"
 num ::= [1-9] [0-9]?
 """
 ARITHMETIC_RE = re.compile(r"[0-9+\-*/()]+")
+# The same language in Lark (llguidance's dialect), which a grammar may also be written in.
+ARITHMETIC_LARK = r"""
+start: expr
+expr: term (("+" | "-") term)*
+term: factor (("*" | "/") factor)*
+factor: NUM | "(" expr ")"
+NUM: /[1-9][0-9]?/
+"""
 
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 
@@ -235,6 +244,67 @@ def test_arithmetic_grammar_outputs_are_sentences(engine: Engine) -> None:
         assert ARITHMETIC_RE.fullmatch(reply.text), reply.text
         if reply.finish_reason == "stop":
             assert is_sentence(reply.text), reply.text
+
+
+def test_lark_grammar_outputs_are_sentences(engine: Engine) -> None:
+    fmt = {"type": "grammar", "grammar": ARITHMETIC_LARK}
+    streams = [engine.complete(f"Arithmetic exercise {i}: ", response_format=fmt, max_tokens=24,
+                               seed=i, **SAMPLED) for i in range(3)]
+    for stream in streams:
+        reply = stream.result()
+        assert ARITHMETIC_RE.fullmatch(reply.text), reply.text
+        if reply.finish_reason == "stop":
+            assert is_sentence(reply.text), reply.text
+    with pytest.raises(InvalidRequestError, match="grammar does not compile.*nope"):
+        engine.chat(ask({}), response_format={"type": "grammar", "grammar": "start: nope"})
+
+
+def test_schema_properties_are_closed_unless_it_says_otherwise(engine: Engine) -> None:
+    from localchat.engine.grammar import TokenConstraint
+
+    tok = engine.tokenizer
+
+    def allowed_after(schema: dict, text: str) -> np.ndarray:
+        c = TokenConstraint(engine.grammars.compile(schema_format(schema)), engine.vocab_size,
+                            engine.stop_token_ids)
+        for token in tok.encode(text):
+            c.accept(token)
+        return c.allowed()
+
+    closed = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    after_a = allowed_after(closed, '{"a": 1')
+    assert not after_a[tok.encode(",")[0]] and after_a[tok.encode("}")[0]]
+    assert allowed_after({**closed, "additionalProperties": True}, '{"a": 1')[tok.encode(",")[0]]
+
+
+def test_tool_call_tags_free_text_then_one_call_or_exactly_one_call(engine: Engine) -> None:
+    from localchat.engine.grammar import TokenConstraint
+    from localchat.server.tools import Tool, call_format
+
+    weather = Tool("get_weather", {"type": "object", "properties": {
+        "city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"]}, {})
+    tok = engine.tokenizer
+    call = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", '
+            '"unit": "celsius"}}\n</tool_call>')
+
+    def fits(mode: str, text: str) -> bool:
+        """Whether the grammar takes `text` whole and then lets the reply stop."""
+        c = TokenConstraint(engine.grammars.compile(call_format("tag", mode, [weather])),
+                            engine.vocab_size, engine.stop_token_ids)
+        for token in tok.encode(text):
+            if not c.allowed()[token]:
+                return False
+            c.accept(token)
+        return bool(c.allowed()[min(engine.stop_token_ids)])
+
+    assert fits("auto", "No call needed.") and fits("auto", call)
+    assert fits("auto", "Let me look. " + call)
+    assert not fits("auto", "Let me look. <tool_call> oops")  # the opening commits to a call
+    assert not fits("auto", call + " and more")  # one call, then the reply ends
+    assert fits("required", call)
+    assert not fits("required", "Let me look. " + call) and not fits("required", "No call.")
+    assert not fits("required", call.replace("celsius", "kelvin"))
 
 
 def test_a_batch_half_constrained_equals_solo_runs(engine: Engine) -> None:

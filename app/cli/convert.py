@@ -28,10 +28,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
+    from localchat import model_dir as md
     from localchat.engine import build
-    from localchat.engine import model_dir as md
-    from localchat.engine.convert import has_tokenizer, read_hf_config
-    from localchat.engine.quantization import get_quant_mode
+    from localchat.engine.build.convert import has_tokenizer, read_hf_config
+    from localchat.engine.build.quantization import get_quant_mode
 
     source, output = Path(args.source), Path(args.output)
     if output.exists() and not output.is_dir():

@@ -65,7 +65,7 @@ def _doctor_report(verify: bool = False) -> dict[str, Any]:
     try:
         import tvm
 
-        from localchat.engine.compile import target_key
+        from localchat.engine.build.compile import target_key
         from localchat.engine.device import (
             DEVICE_KINDS,
             backend_supported,

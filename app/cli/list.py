@@ -28,7 +28,7 @@ def library_status(models: list[Any]) -> dict[Path, str]:
         return out
     try:
         from localchat.engine.build import library_stem
-        from localchat.engine.compile import target_key
+        from localchat.engine.build.compile import target_key
         from localchat.engine.device import select_device
 
         target = select_device("auto").target

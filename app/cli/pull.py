@@ -70,7 +70,7 @@ def pull_with_progress(ref: str, *, device: str = "auto", quantization: str | No
         out.print(message, style="dim", markup=False, highlight=False)
 
     if quantization:
-        from localchat.engine.quantization import get_quant_mode
+        from localchat.engine.build.quantization import get_quant_mode
 
         get_quant_mode(quantization)  # an unknown mode fails before any download
     store = open_store()
@@ -91,8 +91,8 @@ def ensure_local_model(ref: str, device: str = "auto") -> str:
     """`ref` when the store has it (or it is a model directory); else, when `pull` knows the
     name (a recipe or a hub repo id), pull it first with the usual progress and return the
     stored `name:quant`. Anything else raises the store's not-found error, with its hints."""
+    from localchat import model_dir as md
     from localchat.downloader.pull import parse_source
-    from localchat.engine import model_dir as md
     from localchat.errors import LocalchatError, ModelNotFoundError
 
     if md.is_model_dir(Path(ref).expanduser()):

@@ -22,7 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _stored_model(store: Any, ref: str) -> Any:
-    from localchat.engine import model_dir as md
+    from localchat import model_dir as md
     from localchat.store import StoredModel, dir_size
 
     path = store.resolve(ref)

@@ -20,13 +20,13 @@ from typing import Any, Literal, Protocol
 
 from filelock import FileLock
 
+from localchat import model_dir as md
 from localchat.downloader import files as repo_files
 from localchat.downloader.hub import HubClient, RepoSnapshot, sha256_file
 from localchat.downloader.offline import fetch_offline_source
 from localchat.downloader.progress import DownloadProgress, NullProgress
 from localchat.downloader.space import check_free_space, human_size
 from localchat.engine import build
-from localchat.engine import model_dir as md
 from localchat.errors import (
     IntegrityError,
     LocalchatError,
@@ -53,7 +53,8 @@ CompileFn = Callable[[Path], Path]
 
 
 class ConvertFn(Protocol):
-    """`localchat.engine.convert.convert_model`'s shape: build a model directory from a source.
+    """The shape of `localchat.engine.build.convert.convert_model`: build a model directory
+    from a source.
 
     `source` is an HF folder or a .gguf file; `output_dir` is an empty staging directory.
     """
@@ -100,11 +101,11 @@ def engine_hooks(device: str = "auto", store: Store | None = None,
     Libraries are compiled into the store's library cache and installed in the model directory
     under the engine's canonical name (`<target key>-<library key>.so`), the very file
     `localchat.engine.runtime.Model` loads, so nothing is compiled again at the first run.
-    A .gguf source is imported into a temporary HF folder first (`localchat.engine.gguf`).
+    A .gguf source is imported into a temporary HF folder first (`localchat.engine.build.gguf`).
     """
     import tvm
 
-    from localchat.engine.compile import target_key
+    from localchat.engine.build.compile import target_key
     from localchat.engine.device import select_device
 
     chosen = select_device(device)

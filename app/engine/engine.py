@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from localchat.engine import model_dir as md
+from localchat import model_dir as md
 from localchat.engine.conversation import Conversation
 from localchat.engine.generation_config import GenerationConfig
 from localchat.engine.grammar import GrammarCache, TokenConstraint
@@ -32,7 +32,7 @@ from localchat.engine.runtime import Sequence as ModelSequence
 from localchat.engine.scheduler import Request, Scheduler, SequenceOwner
 from localchat.engine.stream import ReplyStream
 from localchat.engine.templates import ConversationTemplate, Message, resolve_template
-from localchat.errors import InvalidRequestError, ModelNotFoundError
+from localchat.errors import InvalidRequestError
 
 
 def resolve_model_dir(ref: str | Path) -> Path:
@@ -42,12 +42,10 @@ def resolve_model_dir(ref: str | Path) -> Path:
     """
     path = Path(ref).expanduser()
     if md.is_model_dir(path):
-        return path
-    if path.is_dir():
-        raise ModelNotFoundError(f"{path} is not a model directory (no {md.CONFIG_FILE})")
+        return path  # as given (the store resolves it to an absolute path)
     from localchat.store import Store
 
-    return Store().resolve(str(ref))
+    return Store().resolve(str(ref))  # the one resolver of names
 
 
 class Engine:

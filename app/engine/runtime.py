@@ -20,11 +20,11 @@ import tvm
 from tvm import relax
 from tvm.runtime import ShapeTuple
 
-from localchat.engine import model_dir as md
-from localchat.engine.compile import CompiledLibrary, model_library, quiet_native_output
+from localchat import model_dir as md
+from localchat.engine.build.compile import CompiledLibrary, model_library, quiet_native_output
+from localchat.engine.build.quantization import get_quant_mode
 from localchat.engine.device import Device, select_device
 from localchat.engine.models import get_architecture
-from localchat.engine.quantization import get_quant_mode
 from localchat.engine.threads import ensure_threads
 from localchat.engine.tokenizer import Tokenizer, load_tokenizer
 from localchat.errors import (
@@ -327,13 +327,9 @@ class Model:
 
     def kv_cache_bytes(self) -> int:
         """Bytes the KV cache (or RNN state) holds for its full capacity."""
-        cfg = self.config
-        if self.arch.state == "rnn":
-            return int(self.arch.state_bytes(cfg, self.max_batch_size))
-        per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
-        itemsize = np.dtype(self.mode.dtype).itemsize
         pages = -(-self.max_total_tokens // PAGE_SIZE) + self.max_batch_size
-        return per_token * itemsize * pages * PAGE_SIZE
+        return int(self.arch.cache_bytes(self.config, self.mode.dtype, self.max_batch_size,
+                                         pages * PAGE_SIZE))
 
     def weight_bytes(self) -> int:
         """Bytes of the parameters as loaded on the device."""

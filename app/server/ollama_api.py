@@ -335,7 +335,7 @@ async def show(request: Request) -> JSONResponse:
     if not body.ref:
         raise InvalidRequestError("model is required", "model")
     ref, path = state.pool.resolve(body.ref)
-    from localchat.engine import model_dir as md
+    from localchat import model_dir as md
     from localchat.engine.generation_config import GenerationConfig
 
     config = md.load_config(path)

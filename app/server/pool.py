@@ -73,15 +73,10 @@ class ModelPool:
             return cached
         if any(c in ref for c in "/\\") or ref.startswith((".", "~")):
             raise ModelNotFoundError(f"the model {ref!r} does not exist: name a stored model")
-        matches = self.store.find(ref)
-        if len(matches) == 1:
+        matches = self.store.find(ref)  # the store's resolution: a bare name is its default
+        if matches:
             self._resolved[ref] = (matches[0].ref, matches[0].path)
             return matches[0].ref, matches[0].path
-        if len(matches) > 1:
-            refs = ", ".join(m.ref for m in matches)
-            raise ModelNotFoundError(
-                f"the model {ref!r} is stored in several quantizations; name one of: {refs}"
-            )
         names = sorted({m.ref for m in self.stored()} | {m.name for m in self.stored()})
         near = difflib.get_close_matches(ref, names, n=3, cutoff=0.6)
         hint = f" Did you mean: {', '.join(near)}?" if near else ""
@@ -95,7 +90,7 @@ class ModelPool:
     async def preload(self, ref: str) -> LoadedModel:
         """Load a command-line model (a store reference or a model directory)."""
         path = Path(ref).expanduser()
-        from localchat.engine import model_dir as md
+        from localchat import model_dir as md
 
         if md.is_model_dir(path):
             loaded = await self._get(str(path.resolve()), path.resolve(), directory=True)
@@ -141,7 +136,7 @@ class ModelPool:
                 engine = await asyncio.to_thread(self._open, path)
             finally:
                 self.loading.discard(model_id)
-            from localchat.engine import model_dir as md
+            from localchat import model_dir as md
             from localchat.store import dir_size
 
             ref = engine.name if directory else model_id

@@ -8,9 +8,9 @@ Llama 3.1/3.2, Hermes ...). A call is written the way the template family writes
     tag:   <tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>     (Qwen2.5, Hermes)
     json:  {"name": "f", "parameters": {...}}                               (Llama 3.x)
 
-xgrammar's structural tag constrains it: with tool_choice "auto" the reply is free text until
-the call's opening, then the call under its schema; with "required" or a named function the
-reply is exactly one call.
+A structural-tag response format (engine/grammar.py turns it into an llguidance grammar)
+constrains it: with tool_choice "auto" the reply is free text until the call's opening, then the
+call under its schema; with "required" or a named function the reply is exactly one call.
 """
 
 from __future__ import annotations
@@ -120,8 +120,8 @@ def streamable(text: str, style: str) -> int:
 
 
 def call_format(style: str, mode: str, tools: Sequence[Tool]) -> dict[str, Any]:
-    """The response format (an xgrammar structural tag) for calls in `style`: any text or one
-    call when mode is "auto", exactly one call when it is "required"."""
+    """The response format (a structural tag, see engine/grammar.py) for calls in `style`: any
+    text or one call when mode is "auto", exactly one call when it is "required"."""
     tags = []
     for tool in tools:
         begin, end = _call_parts(style, tool.name)

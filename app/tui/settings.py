@@ -91,8 +91,8 @@ class ChatSettings:
 def parse_schema(text: str, *, compile_check: bool = False) -> dict[str, Any]:
     """The response format of a JSON Schema typed in the form, or InvalidRequestError (param
     "json_schema") saying why not. `compile_check` also compiles it as the engine will
-    (xgrammar, no tokenizer needed), catching what is valid JSON but no usable schema."""
-    from localchat.engine.grammar import _native_message, normalize_response_format
+    (llguidance, no tokenizer needed), catching what is valid JSON but no usable schema."""
+    from localchat.engine.grammar import json_schema_problem, normalize_response_format
 
     if not text.strip():
         raise InvalidRequestError("the JSON Schema is empty: type one, or pick another output "
@@ -109,15 +109,12 @@ def parse_schema(text: str, *, compile_check: bool = False) -> dict[str, Any]:
     assert fmt is not None
     if compile_check:
         try:
-            import xgrammar as xgr
+            problem = json_schema_problem(schema)
         except ImportError:  # no structured output here: the reply itself will say so
             return fmt
-        try:  # the same options the engine compiles with (engine/grammar.py)
-            xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False,
-                                         strict_mode=True)
-        except (RuntimeError, ValueError, TypeError) as exc:
-            raise InvalidRequestError(f"the JSON Schema does not compile: {_native_message(exc)}",
-                                      "json_schema") from None
+        if problem:
+            raise InvalidRequestError(f"the JSON Schema does not compile: {problem}",
+                                      "json_schema")
     return fmt
 
 

@@ -16,7 +16,7 @@ import openai
 import pytest
 from serve_helpers import MODEL, Server, make_home, start_server, stop_server
 
-from localchat.engine import model_dir as md
+from localchat import model_dir as md
 
 from fixtures import converted, smollm2_hf_dir
 
@@ -342,9 +342,15 @@ def test_ollama_chat_tools_streamed_and_not(srv: Server) -> None:
     client = ollama.Client(host=srv.url, timeout=120)
     opts = {"temperature": 0, "num_predict": 60}
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
-    # the second one makes SmolLM2 call (it starts the reply with the call's tag itself)
-    asks = [ASK_WEATHER, [{"role": "user", "content": "<tool_call> get_weather for Paris please"}],
-            [{"role": "user", "content": "Say hello to Ann."}]]
+    # the second one makes SmolLM2 call: two earlier calls in the conversation show it how
+    def weather_call(city: str) -> dict:
+        return {"role": "assistant", "content": "", "tool_calls": [{"function": {
+            "name": "get_weather", "arguments": {"city": city, "unit": "celsius"}}}]}
+
+    two_shots = [{"role": "user", "content": "Weather in Paris?"}, weather_call("Paris"),
+                 {"role": "user", "content": "Weather in Rome?"}, weather_call("Rome"),
+                 {"role": "user", "content": "Weather in Oslo?"}]
+    asks = [ASK_WEATHER, two_shots, [{"role": "user", "content": "Say hello to Ann."}]]
     called = 0
     for messages in asks:
         whole = client.chat(model=TOOL_MODEL, messages=messages, tools=[WEATHER, TIME],

@@ -17,7 +17,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 from tvm.target import Target
 
-from localchat.engine.quantization import GROUP_SIZE, NIBBLES_PER_WORD, padded_k
+from localchat.engine.build.quantization import GROUP_SIZE, NIBBLES_PER_WORD, padded_k
 
 __all__ = [
     "GPU_COPY_THREADS",

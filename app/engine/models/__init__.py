@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -15,18 +15,39 @@ from localchat.errors import UnsupportedModelError
 ParamSource = Callable[[str], np.ndarray]
 
 
+@runtime_checkable
+class ModelConfig(Protocol):
+    """What every stage outside an architecture's own module reads of its config: convert sets
+    the window and prefill chunk and records the vocabulary; the runtime sizes its buffers from
+    them. Anything else (heads, head_dim, state sizes) stays behind `Architecture.cache_bytes`
+    and `build`."""
+
+    vocab_size: int
+    num_hidden_layers: int
+    context_window_size: int
+    prefill_chunk_size: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as stored in localchat-config.json (`config_from_dict` reads it back)."""
+        ...
+
+
+# (config, activation dtype, max sequences, KV token capacity) -> bytes of the KV cache or the
+# recurrent state; a recurrent architecture ignores the token capacity.
+CacheBytes = Callable[[Any, str, int, int], int]
+
+
 @dataclass(frozen=True)
 class Architecture:
     """How to read, build and convert one architecture."""
 
     name: str
     state: str  # "kv" (paged KV cache) or "rnn" (recurrent state)
-    config_from_hf: Callable[[dict[str, Any]], Any]
-    config_from_dict: Callable[[dict[str, Any]], Any]
+    config_from_hf: Callable[[dict[str, Any]], ModelConfig]
+    config_from_dict: Callable[[dict[str, Any]], ModelConfig]
     build: Callable[..., Any]  # (config, QuantMode, Target) -> nn.Module
     hf_params: Callable[[Any, ParamSource, set[str]], Iterator[tuple[str, np.ndarray]]]
-    # rnn only: bytes of the recurrent state of (config, max_batch_size) sequences
-    state_bytes: Callable[[Any, int], int] | None = None
+    cache_bytes: CacheBytes
     # built-in conversation template for checkpoints that ship no chat template of their own
     default_template: str | None = None
 

@@ -1,8 +1,8 @@
 """Building blocks shared by the architectures: quantization-aware Linear and Embedding.
 
 A Linear holds its weight as float [out, in] or, in a 4-bit mode, as packed words and scales
-(see `localchat.engine.quantization`). On the CPU its product runs in the hand-scheduled kernels
-of `kernels.matmul`, or with `gemv` (decode and logits: a few rows) in the decode GEMV of
+(see `localchat.engine.build.quantization`). On the CPU its product runs in the hand-scheduled
+kernels of `kernels.matmul`, or with `gemv` (decode and logits: a few rows) in the decode GEMV of
 `kernels.gemv` (`avx512`, from `kernels.common.gemv_isa`: "vnni" for the int8 VNNI form, True
 for the AVX-512 table-lookup form, False for the generic one). With VNNI a 4-bit Linear runs the
 VNNI GEMV for every step, prefill included (it is the faster kernel at any row count). The caller
@@ -26,9 +26,9 @@ from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
+from localchat.engine.build.quantization import GROUP_SIZE, NIBBLES_PER_WORD, QuantMode, padded_k
 from localchat.engine.kernels import elementwise, matmul
 from localchat.engine.kernels import gemv as gemv_kernels
-from localchat.engine.quantization import GROUP_SIZE, NIBBLES_PER_WORD, QuantMode, padded_k
 
 Q8_DTYPE = "int8"  # the 8-bit layout's weight dtype (the 4-bit one's is uint32 words)
 

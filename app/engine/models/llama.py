@@ -20,11 +20,11 @@ from tvm.relax.frontend.nn import op
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
 from tvm.target import Target
 
+from localchat.engine.build.quantization import QuantMode
 from localchat.engine.kernels.attention import create_paged_kv_cache_cpu
 from localchat.engine.kernels.common import gemv_isa
 from localchat.engine.models import Architecture
 from localchat.engine.models.layers import Embedding, Linear, RMSNorm, silu_mul, take_last_token
-from localchat.engine.quantization import QuantMode
 from localchat.errors import ModelConfigError, UnsupportedModelError
 
 DEFAULT_PREFILL_CHUNK = 256
@@ -332,6 +332,12 @@ def hf_params(
             yield "lm_head.weight", get("model.embed_tokens.weight")
 
 
+def kv_cache_bytes(cfg: LlamaConfig, dtype: str, max_batch_size: int, tokens: int) -> int:
+    """Bytes of a KV cache holding `tokens` positions (keys and values of every layer)."""
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
+    return per_token * np.dtype(dtype).itemsize * tokens
+
+
 def architecture(name: str) -> Architecture:
     """The registry's view of this module (see `localchat.engine.models.REGISTRY`)."""
     return Architecture(
@@ -341,4 +347,5 @@ def architecture(name: str) -> Architecture:
         config_from_dict=LlamaConfig.from_dict,
         build=LlamaForCausalLM,
         hf_params=hf_params,
+        cache_bytes=kv_cache_bytes,
     )

@@ -35,6 +35,7 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 from tvm.target import Target
 
+from localchat.engine.build.quantization import QuantMode
 from localchat.engine.kernels import wkv
 from localchat.engine.kernels.common import gemv_isa
 from localchat.engine.models import Architecture
@@ -50,7 +51,6 @@ from localchat.engine.models.rwkv4_state import (
     state_bytes,
 )
 from localchat.engine.models.rwkv4_weights import hf_params
-from localchat.engine.quantization import QuantMode
 from localchat.errors import ModelConfigError
 
 DEFAULT_PREFILL_CHUNK = 512
@@ -336,6 +336,6 @@ def architecture(name: str) -> Architecture:
         config_from_dict=Rwkv4Config.from_dict,
         build=Rwkv4ForCausalLM,
         hf_params=hf_params,
-        state_bytes=state_bytes,
+        cache_bytes=lambda cfg, dtype, batch, _tokens: state_bytes(cfg, batch, dtype),
         default_template="rwkv_world",
     )

@@ -23,7 +23,7 @@ WORLD_VOCAB = "rwkv_vocab_v20230424.txt"
 
 def config_from_checkpoint(path: Path, rescale_every: int = 6) -> dict[str, Any]:
     """An HF-style config.json for a BlinkDL RWKV-4 `.pth`, inferred from its tensor shapes."""
-    from localchat.engine.weights import open_checkpoint_file
+    from localchat.engine.build.weights import open_checkpoint_file
 
     src = open_checkpoint_file(Path(path))
     names = src.names

@@ -24,9 +24,9 @@ import tvm
 from tvm import relax
 from tvm.target import Target
 
-from localchat.engine import model_dir as md
+from localchat import model_dir as md
 from localchat.engine.models import Architecture
-from localchat.engine.quantization import QuantMode
+from localchat.engine.build.quantization import QuantMode
 from localchat.errors import CompileError
 
 # Bump when kernels or the pass pipeline change in a way the key would not otherwise see.
@@ -63,20 +63,63 @@ def library_key(arch: Architecture, config: Any, mode: QuantMode, target: Target
         "target": str(target),
         "tvm": tvm.__version__,
         "kernels": KERNEL_VERSION,
-        "sources": _source_digest(),
+        "sources": _source_digest(arch.name),
     }
     blob = json.dumps(payload, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def _source_digest() -> str:
-    """Hash of the sources that generate library code, so editing a kernel invalidates the cache
-    even when KERNEL_VERSION was not bumped."""
-    engine = Path(__file__).resolve().parent
-    files = sorted((engine / "kernels").glob("*.py")) + sorted((engine / "models").glob("*.py"))
-    files.append(Path(__file__))
+_ENGINE = Path(__file__).resolve().parent.parent
+# Modules whose code can shape a library: the models and kernels packages and the quantization
+# modes. The registry (models/__init__.py) is left out: it only lists architectures, and adding
+# one must not recompile the others.
+_CODE_PACKAGES = ("localchat.engine.models.", "localchat.engine.kernels.")
+_CODE_MODULES = ("localchat.engine.build.quantization",)
+
+
+def build_sources(arch_name: str) -> list[Path]:
+    """The source files an architecture's build reads: its module and, transitively, the model
+    and kernel modules (and the quantization modes) it imports."""
+    import ast
+
+    from localchat.engine.models import REGISTRY
+
+    entry = next((e for e in REGISTRY if e.name == arch_name), None)
+    if entry is None:
+        raise CompileError(f"unknown architecture {arch_name!r}")
+
+    def path_of(module: str) -> Path | None:
+        parts = module.split(".")[2:]  # drop "localchat.engine"
+        path = _ENGINE.joinpath(*parts).with_suffix(".py")
+        return path if path.is_file() else None
+
+    def imports(path: Path) -> set[str]:
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                found.add(node.module)
+                found.update(f"{node.module}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+        return {m for m in found if m.startswith(_CODE_PACKAGES) or m in _CODE_MODULES}
+
+    todo, seen = [f"localchat.engine.models.{entry.module}"], set()
+    while todo:
+        module = todo.pop()
+        path = path_of(module)
+        if module in seen or path is None:
+            continue
+        seen.add(module)
+        todo.extend(imports(path))
+    files = sorted({p for p in map(path_of, seen) if p is not None})
+    return [*files, Path(__file__).resolve()]
+
+
+def _source_digest(arch_name: str) -> str:
+    """Hash of the sources that generate this architecture's library code, so editing one of
+    its kernels invalidates the cache even when KERNEL_VERSION was not bumped."""
     h = hashlib.sha256()
-    for f in files:
+    for f in build_sources(arch_name):
         h.update(f.read_bytes())
     return h.hexdigest()[:16]
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from localchat.engine import model_dir as md
+from localchat import model_dir as md
 from localchat.errors import ModelConfigError
 
 Log = Callable[[str], None]
@@ -29,7 +29,7 @@ def gguf_weights_dtype(quantization: str) -> str:
     """Precision of the intermediate weights of a GGUF import: float32 for q0f32 and for the
     asymmetric modes (a Q4_1 block's d * q + m, or a Q8_0 one's d * q, is a float32 that float16
     would round, and the asymmetric modes are meant to hold them exactly), else float16."""
-    from localchat.engine.quantization import QUANT_MODES
+    from localchat.engine.build.quantization import QUANT_MODES
 
     mode = QUANT_MODES.get(quantization)
     if quantization == "q0f32" or (mode is not None and mode.asymmetric):
@@ -44,7 +44,7 @@ def gguf_default_quantization(path: Path, device_kind: str) -> str | None:
     import reports that)."""
     if device_kind != "cpu":
         return None
-    from localchat.engine.gguf import exact_quantization
+    from localchat.engine.build.gguf import exact_quantization
     from localchat.errors import LocalchatError
 
     try:
@@ -72,7 +72,7 @@ def convert_source(
 ) -> Path:
     """Build a model directory from an HF folder or a .gguf file (imported via a temporary HF
     folder under `scratch_dir`); `compile_for`: as `convert.convert_model`'s."""
-    from localchat.engine.convert import convert_model
+    from localchat.engine.build.convert import convert_model
 
     source = Path(source)
     if not is_gguf(source):
@@ -80,7 +80,7 @@ def convert_source(
                              context_window_size=context_window_size,
                              prefill_chunk_size=prefill_chunk_size,
                              source_info=source_info, compile_for=compile_for, log=log)
-    from localchat.engine.gguf import gguf_to_hf_folder
+    from localchat.engine.build.gguf import gguf_to_hf_folder
 
     if scratch_dir is not None:
         scratch_dir.mkdir(parents=True, exist_ok=True)
@@ -96,7 +96,7 @@ def convert_source(
 
 def inspect_gguf(path: Path) -> dict[str, Any]:
     """The HF config.json a .gguf file amounts to (raises for what cannot be imported)."""
-    from localchat.engine.gguf import inspect_gguf as inspect
+    from localchat.engine.build.gguf import inspect_gguf as inspect
 
     return inspect(path)
 
@@ -104,7 +104,7 @@ def inspect_gguf(path: Path) -> dict[str, Any]:
 def model_parts(model_dir: Path) -> tuple[Any, Any, Any]:
     """(architecture, model config, quantization mode) of a model directory."""
     from localchat.engine.models import get_architecture
-    from localchat.engine.quantization import get_quant_mode
+    from localchat.engine.build.quantization import get_quant_mode
 
     meta = md.read_config(model_dir)  # only these three keys matter; a pull may still be adding
     for key in ("architecture", "model_config", "quantization"):
@@ -116,7 +116,7 @@ def model_parts(model_dir: Path) -> tuple[Any, Any, Any]:
 
 def library_stem(model_dir: Path, target: Any) -> str:
     """The file stem under `model_dir/lib/` of the library the runtime loads on `target`."""
-    from localchat.engine.compile import library_file_name
+    from localchat.engine.build.compile import library_file_name
 
     return Path(library_file_name(*model_parts(model_dir), target)).stem
 
@@ -125,6 +125,6 @@ def compile_model(model_dir: Path, target: Any, *, lib_dir: Path | None = None,
                   log: Log | None = None) -> Path:
     """Compile a model directory's library for `target` into the library cache (or `lib_dir`,
     a store's own cache); returns its path."""
-    from localchat.engine.compile import compile_library
+    from localchat.engine.build.compile import compile_library
 
     return compile_library(*model_parts(model_dir), target, lib_dir, log=log).path

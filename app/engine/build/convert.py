@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from localchat.engine import model_dir as md
+from localchat import model_dir as md
 from localchat.engine.models import Architecture, detect_architecture
-from localchat.engine.quantization import (
+from localchat.engine.build.quantization import (
     QuantMode,
     get_quant_mode,
     quantize_q8,
@@ -31,7 +31,7 @@ from localchat.engine.quantization import (
 )
 from localchat.engine.templates import load_chat_template
 from localchat.engine.tokenizer import WORLD_VOCAB_FILE, read_json
-from localchat.engine.weights import WeightSource, open_weights
+from localchat.engine.build.weights import WeightSource, open_weights
 from localchat.errors import ModelConfigError, WeightsError
 
 TOKENIZER_FILES = (
@@ -209,7 +209,7 @@ def _compile_into(
 ) -> None:
     """Compile (or find in a library cache) the library for `device` and link it into the
     model directory's lib/, where the runtime looks first."""
-    from localchat.engine.compile import model_library
+    from localchat.engine.build.compile import model_library
     from localchat.engine.device import select_device
 
     dev = select_device(device) if isinstance(device, str) else device
