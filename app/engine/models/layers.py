@@ -22,15 +22,46 @@ side, and the token embedding and the LM head are 8-bit (int8 values, a float16 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
+from tvm.target import Target
 
 from localchat.engine.build.quantization import GROUP_SIZE, NIBBLES_PER_WORD, QuantMode, padded_k
 from localchat.engine.kernels import elementwise, matmul
 from localchat.engine.kernels import gemv as gemv_kernels
+from localchat.engine.kernels.common import gemv_isa
 
 Q8_DTYPE = "int8"  # the 8-bit layout's weight dtype (the 4-bit one's is uint32 words)
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What one build is for, decided once and passed to every module: the quantization mode
+    and the target. The device specifics a layer needs (is this the CPU, which decode GEMV the
+    CPU's ISA takes) are read from here, so constructors take (shape, ctx) and nothing else."""
+
+    mode: QuantMode
+    target: Target
+    target_kind: str = field(init=False)
+    isa: bool | str = field(init=False)  # `kernels.common.gemv_isa`: "vnni", True or False
+
+    def __post_init__(self) -> None:
+        kind = self.target.kind.name
+        object.__setattr__(self, "target_kind", kind)
+        object.__setattr__(self, "isa", gemv_isa(self.target) if kind == "llvm" else False)
+
+    @property
+    def dtype(self) -> str:
+        """The activation dtype."""
+        return self.mode.dtype
+
+    @property
+    def cpu(self) -> bool:
+        """Whether the build is for the CPU (our scheduled kernels) rather than a GPU."""
+        return self.target_kind == "llvm"
 
 
 def _dequant_value(
@@ -75,21 +106,15 @@ class Linear(nn.Module):
     """y = x W^T (+ b), with W float or 4-bit packed according to the quantization mode."""
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool,
-        mode: QuantMode,
-        target_kind: str,
-        avx512: bool | str = False,
+        self, in_features: int, out_features: int, bias: bool, ctx: BuildContext,
         head: bool = False,
     ) -> None:
         """`head`: this is the LM head (8-bit in the asymmetric modes)."""
         self.in_features = in_features
         self.out_features = out_features
-        self.mode = mode
-        self.target_kind = target_kind
-        self.avx512 = avx512
+        mode = self.mode = ctx.mode
+        self.target_kind = ctx.target_kind
+        self.avx512 = ctx.isa
         if mode.quantized:
             self.weight, self.scale = _quantized_params(out_features, in_features, mode, head)
         else:
@@ -196,9 +221,9 @@ class RMSNorm(nn.RMSNorm):
     """RMSNorm over the last axis, without bias; on the CPU the scheduled row kernel
     (`kernels.elementwise.rms_norm`), elsewhere TVM's operator."""
 
-    def __init__(self, hidden_size: int, eps: float, dtype: str, target_kind: str) -> None:
-        super().__init__(hidden_size, -1, eps, bias=False, dtype=dtype)
-        self.target_kind = target_kind
+    def __init__(self, hidden_size: int, eps: float, ctx: BuildContext) -> None:
+        super().__init__(hidden_size, -1, eps, bias=False, dtype=ctx.dtype)
+        self.target_kind = ctx.target_kind
 
     def forward(self, x: nn.Tensor) -> nn.Tensor:
         if self.target_kind != "llvm":
@@ -221,19 +246,12 @@ def silu_mul(gate_up: nn.Tensor, target_kind: str) -> nn.Tensor:
 class Embedding(nn.Module):
     """Token embedding table, float or 4-bit packed; can double as a tied LM head."""
 
-    def __init__(
-        self,
-        vocab_size: int,
-        hidden_size: int,
-        mode: QuantMode,
-        target_kind: str,
-        avx512: bool | str = False,
-    ):
+    def __init__(self, vocab_size: int, hidden_size: int, ctx: BuildContext):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
-        self.mode = mode
-        self.target_kind = target_kind
-        self.avx512 = avx512
+        mode = self.mode = ctx.mode
+        self.target_kind = ctx.target_kind
+        self.avx512 = ctx.isa
         if mode.quantized:
             # the table doubles as the LM head when tied: 8-bit in the asymmetric modes
             self.weight, self.scale = _quantized_params(vocab_size, hidden_size, mode, head=True)

@@ -22,9 +22,16 @@ from tvm.target import Target
 
 from localchat.engine.build.quantization import QuantMode
 from localchat.engine.kernels.attention import create_paged_kv_cache_cpu
-from localchat.engine.kernels.common import gemv_isa
 from localchat.engine.models import Architecture
-from localchat.engine.models.layers import Embedding, Linear, RMSNorm, silu_mul, take_last_token
+from localchat.engine.models.export import model_spec
+from localchat.engine.models.layers import (
+    BuildContext,
+    Embedding,
+    Linear,
+    RMSNorm,
+    silu_mul,
+    take_last_token,
+)
 from localchat.errors import ModelConfigError, UnsupportedModelError
 
 DEFAULT_PREFILL_CHUNK = 256
@@ -117,15 +124,13 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any]]:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, mode: QuantMode, tk: str, avx512: bool) -> None:
+    def __init__(self, cfg: LlamaConfig, ctx: BuildContext) -> None:
         self.num_q = cfg.num_attention_heads
         self.num_kv = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         qkv_out = (self.num_q + 2 * self.num_kv) * self.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, qkv_out, cfg.qkv_bias, mode, tk, avx512)
-        self.o_proj = Linear(
-            self.num_q * self.head_dim, cfg.hidden_size, cfg.o_bias, mode, tk, avx512
-        )
+        self.qkv_proj = Linear(cfg.hidden_size, qkv_out, cfg.qkv_bias, ctx)
+        self.o_proj = Linear(self.num_q * self.head_dim, cfg.hidden_size, cfg.o_bias, ctx)
 
     def forward(self, x: nn.Tensor, cache: PagedKVCache, layer_id: int, gemv: bool) -> nn.Tensor:
         b, s, _ = x.shape
@@ -139,23 +144,23 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig, mode: QuantMode, tk: str, avx512: bool) -> None:
+    def __init__(self, cfg: LlamaConfig, ctx: BuildContext) -> None:
         h, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_up_proj = Linear(h, 2 * f, False, mode, tk, avx512)
-        self.down_proj = Linear(f, h, False, mode, tk, avx512)
-        self.target_kind = tk
+        self.gate_up_proj = Linear(h, 2 * f, False, ctx)
+        self.down_proj = Linear(f, h, False, ctx)
+        self.target_kind = ctx.target_kind
 
     def forward(self, x: nn.Tensor, gemv: bool) -> nn.Tensor:
         return self.down_proj(silu_mul(self.gate_up_proj(x, gemv), self.target_kind), gemv)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, mode: QuantMode, tk: str, avx512: bool) -> None:
+    def __init__(self, cfg: LlamaConfig, ctx: BuildContext) -> None:
         eps = cfg.rms_norm_eps
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, mode.dtype, tk)
-        self.self_attn = LlamaAttention(cfg, mode, tk, avx512)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, mode.dtype, tk)
-        self.mlp = LlamaMLP(cfg, mode, tk, avx512)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, ctx)
+        self.self_attn = LlamaAttention(cfg, ctx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, ctx)
+        self.mlp = LlamaMLP(cfg, ctx)
 
     def forward(self, x: nn.Tensor, cache: PagedKVCache, layer_id: int, gemv: bool) -> nn.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cache, layer_id, gemv)
@@ -163,12 +168,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: LlamaConfig, mode: QuantMode, tk: str, avx512: bool) -> None:
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, mode, tk, avx512)
+    def __init__(self, cfg: LlamaConfig, ctx: BuildContext) -> None:
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, ctx)
         self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(cfg, mode, tk, avx512) for _ in range(cfg.num_hidden_layers)]
+            [LlamaDecoderLayer(cfg, ctx) for _ in range(cfg.num_hidden_layers)]
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, mode.dtype, tk)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx)
 
     def forward(self, x: nn.Tensor, cache: PagedKVCache, gemv: bool = False) -> nn.Tensor:
         """The decoder stack; `gemv`: a decode step (one token per sequence), whose Linears run
@@ -183,16 +188,13 @@ class LlamaForCausalLM(nn.Module):
     """The exported model: embed, (batch_)prefill, (batch_)decode and the KV-cache constructor."""
 
     def __init__(self, cfg: LlamaConfig, mode: QuantMode, target: Target) -> None:
-        tk = target.kind.name
+        ctx = BuildContext(mode, target)
         self.cfg = cfg
         self.mode = mode
         self.target = target
-        avx512 = gemv_isa(target)  # which decode GEMV: VNNI int8, table lookup or generic
-        self.model = LlamaModel(cfg, mode, tk, avx512)
+        self.model = LlamaModel(cfg, ctx)
         if not cfg.tie_word_embeddings:
-            self.lm_head = Linear(
-                cfg.hidden_size, cfg.vocab_size, False, mode, tk, avx512, head=True
-            )
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, ctx, head=True)
 
     def _logits(self, h: nn.Tensor) -> nn.Tensor:
         if self.cfg.tie_word_embeddings:
@@ -266,42 +268,8 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def get_default_spec(self) -> nn.spec.ModuleSpec:
-        h, dt = self.cfg.hidden_size, self.mode.dtype
-        packed = {"$": {"param_mode": "packed", "effect_mode": "none"}}
-        cache = nn.spec.Object(object_type=PagedKVCache)
-        spec = {
-            "embed": {"input_ids": nn.spec.Tensor(["seq_len"], "int32"), **packed},
-            "prefill": {
-                "input_embed": nn.spec.Tensor(["seq_len", h], dt),
-                "paged_kv_cache": cache,
-                **packed,
-            },
-            "decode": {
-                "input_embed": nn.spec.Tensor([1, h], dt),
-                "paged_kv_cache": cache,
-                **packed,
-            },
-            "batch_prefill": {
-                "input_embeds": nn.spec.Tensor(["seq_len", h], dt),
-                "logit_positions": nn.spec.Tensor(["batch_size"], "int32"),
-                "paged_kv_cache": cache,
-                **packed,
-            },
-            "batch_decode": {
-                "input_embeds": nn.spec.Tensor(["batch_size", h], dt),
-                "paged_kv_cache": cache,
-                **packed,
-            },
-            "create_paged_kv_cache": {
-                "max_batch_size": int,
-                "max_total_seq_len": int,
-                "prefill_chunk_size": int,
-                "page_size": int,
-                "support_sliding_window": int,
-                "$": {"param_mode": "none", "effect_mode": "none"},
-            },
-        }
-        return nn.spec.ModuleSpec.from_raw(spec, self)
+        return model_spec(self, hidden_size=self.cfg.hidden_size, dtype=self.mode.dtype,
+                          state="kv", state_type=PagedKVCache)
 
 
 def hf_params(

@@ -37,9 +37,9 @@ from tvm.target import Target
 
 from localchat.engine.build.quantization import QuantMode
 from localchat.engine.kernels import wkv
-from localchat.engine.kernels.common import gemv_isa
 from localchat.engine.models import Architecture
-from localchat.engine.models.layers import Embedding, Linear
+from localchat.engine.models.export import model_spec
+from localchat.engine.models.layers import BuildContext, Embedding, Linear
 from localchat.engine.models.rwkv4_state import (
     ATT_A,
     ATT_B,
@@ -157,9 +157,9 @@ def _take_rows(x: nn.Tensor, rows: nn.Tensor) -> nn.Tensor:
 
 
 class TimeMix(nn.Module):
-    def __init__(self, cfg: Rwkv4Config, mode: QuantMode, tk: str, avx512: bool) -> None:
-        h, a, dt = cfg.hidden_size, cfg.attention_hidden_size, mode.dtype
-        self.gpu = tk != "llvm"
+    def __init__(self, cfg: Rwkv4Config, ctx: BuildContext) -> None:
+        h, a, dt = cfg.hidden_size, cfg.attention_hidden_size, ctx.dtype
+        self.gpu = not ctx.cpu
         self.attention_size = a
         self.dtype = dt
         self.time_decay = nn.Parameter((a,), "float32")  # -exp(time_decay)
@@ -167,10 +167,10 @@ class TimeMix(nn.Module):
         self.time_mix_k = nn.Parameter((h,), dt)
         self.time_mix_v = nn.Parameter((h,), dt)
         self.time_mix_r = nn.Parameter((h,), dt)
-        self.key = Linear(h, a, False, mode, tk, avx512)
-        self.value = Linear(h, a, False, mode, tk, avx512)
-        self.receptance = Linear(h, a, False, mode, tk, avx512)
-        self.output = Linear(a, h, False, mode, tk, avx512)
+        self.key = Linear(h, a, False, ctx)
+        self.value = Linear(h, a, False, ctx)
+        self.receptance = Linear(h, a, False, ctx)
+        self.output = Linear(a, h, False, ctx)
 
     def forward(self, xx, ends, start_of, state: RnnState, layer_id: int, batch, gemv: bool):
         a, dt = self.attention_size, self.dtype
@@ -204,14 +204,14 @@ class TimeMix(nn.Module):
 
 
 class ChannelMix(nn.Module):
-    def __init__(self, cfg: Rwkv4Config, mode: QuantMode, tk: str, avx512: bool) -> None:
-        h, f, dt = cfg.hidden_size, cfg.intermediate_size, mode.dtype
+    def __init__(self, cfg: Rwkv4Config, ctx: BuildContext) -> None:
+        h, f, dt = cfg.hidden_size, cfg.intermediate_size, ctx.dtype
         self.dtype = dt
         self.time_mix_k = nn.Parameter((h,), dt)
         self.time_mix_r = nn.Parameter((h,), dt)
-        self.key = Linear(h, f, False, mode, tk, avx512)
-        self.receptance = Linear(h, h, False, mode, tk, avx512)
-        self.value = Linear(f, h, False, mode, tk, avx512)
+        self.key = Linear(h, f, False, ctx)
+        self.receptance = Linear(h, h, False, ctx)
+        self.value = Linear(f, h, False, ctx)
 
     def forward(self, xx, ends, start_of, state: RnnState, layer_id: int, batch, gemv: bool):
         prev = state.get(layer_id, FFN_X, batch, xx.shape[-1], self.dtype)
@@ -223,12 +223,12 @@ class ChannelMix(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: Rwkv4Config, mode: QuantMode, tk: str, avx512: bool) -> None:
-        eps, h, dt = cfg.layer_norm_epsilon, cfg.hidden_size, mode.dtype
+    def __init__(self, cfg: Rwkv4Config, ctx: BuildContext) -> None:
+        eps, h, dt = cfg.layer_norm_epsilon, cfg.hidden_size, ctx.dtype
         self.ln1 = nn.LayerNorm(h, eps, dtype=dt)
         self.ln2 = nn.LayerNorm(h, eps, dtype=dt)
-        self.att = TimeMix(cfg, mode, tk, avx512)
-        self.ffn = ChannelMix(cfg, mode, tk, avx512)
+        self.att = TimeMix(cfg, ctx)
+        self.ffn = ChannelMix(cfg, ctx)
 
     def forward(self, x, ends, start_of, state: RnnState, layer_id: int, batch, gemv: bool):
         out, state = self.att(self.ln1(x), ends, start_of, state, layer_id, batch, gemv)
@@ -241,18 +241,15 @@ class Rwkv4ForCausalLM(nn.Module):
     """The exported model: embed, (batch_)prefill, (batch_)decode and the RNN-state constructor."""
 
     def __init__(self, cfg: Rwkv4Config, mode: QuantMode, target: Target) -> None:
-        tk = target.kind.name
+        ctx = BuildContext(mode, target)
         self.cfg = cfg
         self.mode = mode
         self.target = target
         h = cfg.hidden_size
-        self.avx512 = gemv_isa(target)  # which decode GEMV: VNNI int8, table lookup or generic
-        self.embeddings = Embedding(cfg.vocab_size, h, mode, tk)  # pre-LayerNorm folded in
-        self.blocks = nn.ModuleList(
-            [Block(cfg, mode, tk, self.avx512) for _ in range(cfg.num_hidden_layers)]
-        )
+        self.embeddings = Embedding(cfg.vocab_size, h, ctx)  # pre-LayerNorm folded in
+        self.blocks = nn.ModuleList([Block(cfg, ctx) for _ in range(cfg.num_hidden_layers)])
         self.ln_out = nn.LayerNorm(h, cfg.layer_norm_epsilon, dtype=mode.dtype)
-        self.head = Linear(h, cfg.vocab_size, False, mode, tk, self.avx512, head=True)
+        self.head = Linear(h, cfg.vocab_size, False, ctx, head=True)
 
     def _forward(self, x: nn.Tensor, ends: nn.Tensor, state: RnnState, gemv: bool = False):
         """x [n, h] holding B sequences ending at `ends` -> logits [B, vocab] (float32).
@@ -296,35 +293,8 @@ class Rwkv4ForCausalLM(nn.Module):
         return RnnState.create(max_batch_size, max_history, cfg.num_hidden_layers, init, gpu)
 
     def get_default_spec(self) -> nn.spec.ModuleSpec:
-        h, dt = self.cfg.hidden_size, self.mode.dtype
-        packed = {"$": {"param_mode": "packed", "effect_mode": "none"}}
-        state = nn.spec.Object(object_type=RnnState)
-        spec = {
-            "embed": {"input_ids": nn.spec.Tensor(["seq_len"], "int32"), **packed},
-            "prefill": {
-                "input_embed": nn.spec.Tensor(["seq_len", h], dt),
-                "rnn_state": state,
-                **packed,
-            },
-            "decode": {"input_embed": nn.spec.Tensor([1, h], dt), "rnn_state": state, **packed},
-            "batch_prefill": {
-                "input_embeds": nn.spec.Tensor(["seq_len", h], dt),
-                "logit_positions": nn.spec.Tensor(["batch_size"], "int32"),
-                "rnn_state": state,
-                **packed,
-            },
-            "batch_decode": {
-                "input_embeds": nn.spec.Tensor(["batch_size", h], dt),
-                "rnn_state": state,
-                **packed,
-            },
-            "create_rnn_state": {
-                "max_batch_size": int,
-                "max_history": int,
-                "$": {"param_mode": "none", "effect_mode": "none"},
-            },
-        }
-        return nn.spec.ModuleSpec.from_raw(spec, self)
+        return model_spec(self, hidden_size=self.cfg.hidden_size, dtype=self.mode.dtype,
+                          state="rnn", state_type=RnnState)
 
 
 def architecture(name: str) -> Architecture:
