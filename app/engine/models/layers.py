@@ -233,6 +233,17 @@ class RMSNorm(nn.RMSNorm):
         return _rowwise(func, "rms_norm", x, [self.weight], n)
 
 
+GATES = ("silu", "gelu_tanh")  # the MLP gate activations `gated` knows
+
+
+def gated(gate_up: nn.Tensor, act: str, target_kind: str) -> nn.Tensor:
+    """act(gate) * up for gate_up [..., 2F] = [gate | up], `act` one of GATES."""
+    if act == "silu":
+        return silu_mul(gate_up, target_kind)
+    gate, up = op.split(gate_up, 2, axis=-1)  # GELU-tanh: TVM's operator on every target
+    return op.gelu(gate, approximate="tanh") * up
+
+
 def silu_mul(gate_up: nn.Tensor, target_kind: str) -> nn.Tensor:
     """silu(gate) * up for gate_up [..., 2F] = [gate | up]; on the CPU one scheduled kernel
     (`kernels.elementwise.silu_mul`)."""

@@ -25,11 +25,12 @@ from localchat.engine.kernels.attention import create_paged_kv_cache_cpu
 from localchat.engine.models import Architecture
 from localchat.engine.models.export import model_spec
 from localchat.engine.models.layers import (
+    GATES,
     BuildContext,
     Embedding,
     Linear,
     RMSNorm,
-    silu_mul,
+    gated,
     take_last_token,
 )
 from localchat.errors import ModelConfigError, UnsupportedModelError
@@ -56,6 +57,23 @@ class LlamaConfig:
     o_bias: bool
     context_window_size: int
     prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK
+    # The decoder block's options, as data: the Llama family uses none of them; other dense
+    # architectures are this block with some turned on (docs/architecture.md, "Adding an
+    # architecture"). Defaults leave the block exactly the Llama one.
+    hidden_act: str = "silu"  # the MLP gate's activation: "silu" or "gelu_tanh"
+    mlp_bias: bool = False
+    qk_norm: str = ""  # RMSNorm of q and k: "" none, "head" (each head), "projection" (whole)
+    norm_offset: float = 0.0  # RMSNorm weights act as (offset + w): Gemma's 1 (folded at convert)
+    norms: str = "pre"  # "pre" (Llama), "sandwich" (pre and post, Gemma), "post" (OLMo 2)
+    embed_scale: float = 1.0  # embeddings times this (Gemma: sqrt(hidden_size))
+    attn_scale: float = 0.0  # attention's score scale; 0: head_dim ** -0.5
+    final_softcap: float = 0.0  # logits become c * tanh(logits / c); 0: off
+    attn_softcap: float = 0.0  # the same on attention scores (see `attention_options`)
+    sliding_window: int = 0  # the window of the layers `sliding_layers` marks
+    sliding_layers: list[int] = dataclasses.field(default_factory=list)  # 1: windowed layer
+    rotary_dim: int = 0  # rotated width of each head; 0: all of it
+    layer_rope_theta: list[float] = dataclasses.field(default_factory=list)  # per layer
+    rope_layers: list[int] = dataclasses.field(default_factory=list)  # 0: no rotary there
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -63,6 +81,17 @@ class LlamaConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LlamaConfig:
         return cls(**data)
+
+    def layer_options(self, layer_id: int) -> dict[str, Any]:
+        """What differs between layers: the sliding window (0: full), the rope theta, and
+        whether the layer has rotary embedding at all."""
+        windowed = bool(self.sliding_layers) and bool(self.sliding_layers[layer_id])
+        return {
+            "window": self.sliding_window if windowed else 0,
+            "rope_theta": (self.layer_rope_theta[layer_id] if self.layer_rope_theta
+                           else self.rope_theta),
+            "rope": not self.rope_layers or bool(self.rope_layers[layer_id]),
+        }
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> LlamaConfig:
@@ -128,43 +157,88 @@ class LlamaAttention(nn.Module):
         self.num_q = cfg.num_attention_heads
         self.num_kv = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
+        self.scale = cfg.attn_scale or self.head_dim**-0.5
+        self.qk_norm = cfg.qk_norm
         qkv_out = (self.num_q + 2 * self.num_kv) * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, qkv_out, cfg.qkv_bias, ctx)
         self.o_proj = Linear(self.num_q * self.head_dim, cfg.hidden_size, cfg.o_bias, ctx)
+        if cfg.qk_norm == "head":
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ctx)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ctx)
+        elif cfg.qk_norm == "projection":
+            self.q_norm = RMSNorm(self.num_q * self.head_dim, cfg.rms_norm_eps, ctx)
+            self.k_norm = RMSNorm(self.num_kv * self.head_dim, cfg.rms_norm_eps, ctx)
+        elif cfg.qk_norm:
+            raise UnsupportedModelError(f"qk_norm {cfg.qk_norm!r} is not supported")
+
+    def _normed_qkv(self, qkv: nn.Tensor) -> nn.Tensor:
+        """[b, s, (q + 2 kv) * d] with q and k normalized (per head or over the projection)."""
+        b, s, _ = qkv.shape
+        d, nq, nkv = self.head_dim, self.num_q, self.num_kv
+        q, k, v = op.split(qkv, [nq * d, (nq + nkv) * d], axis=-1)
+        if self.qk_norm == "head":  # each head's d values: rows of a [b, s * heads, d] tensor
+            q = op.reshape(self.q_norm(op.reshape(q, (b, s * nq, d))), (b, s, nq * d))
+            k = op.reshape(self.k_norm(op.reshape(k, (b, s * nkv, d))), (b, s, nkv * d))
+        else:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return op.concat([q, k, v], dim=-1)
 
     def forward(self, x: nn.Tensor, cache: PagedKVCache, layer_id: int, gemv: bool) -> nn.Tensor:
         b, s, _ = x.shape
-        qkv = op.reshape(
-            self.qkv_proj(x, gemv), (b, s, self.num_q + 2 * self.num_kv, self.head_dim)
-        )
-        out = cache.attention_with_fused_qkv(
-            layer_id, qkv, self.num_q, sm_scale=self.head_dim**-0.5
-        )
+        qkv = self.qkv_proj(x, gemv)
+        if self.qk_norm:
+            qkv = self._normed_qkv(qkv)
+        qkv = op.reshape(qkv, (b, s, self.num_q + 2 * self.num_kv, self.head_dim))
+        out = cache.attention_with_fused_qkv(layer_id, qkv, self.num_q, sm_scale=self.scale)
         return self.o_proj(op.reshape(out, (b, s, self.num_q * self.head_dim)), gemv)
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: LlamaConfig, ctx: BuildContext) -> None:
         h, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_up_proj = Linear(h, 2 * f, False, ctx)
-        self.down_proj = Linear(f, h, False, ctx)
+        self.gate_up_proj = Linear(h, 2 * f, cfg.mlp_bias, ctx)
+        self.down_proj = Linear(f, h, cfg.mlp_bias, ctx)
         self.target_kind = ctx.target_kind
+        self.act = cfg.hidden_act
+        if self.act not in GATES:
+            raise UnsupportedModelError(f"hidden_act {self.act!r} is not supported "
+                                        f"(supported: {', '.join(GATES)})")
 
     def forward(self, x: nn.Tensor, gemv: bool) -> nn.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x, gemv), self.target_kind), gemv)
+        gate_up = self.gate_up_proj(x, gemv)
+        return self.down_proj(gated(gate_up, self.act, self.target_kind), gemv)
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Attention then MLP, each a residual branch, with the norms `cfg.norms` places: before
+    each branch ("pre", Llama), before and after ("sandwich", Gemma), after only ("post",
+    OLMo 2). Parameter names follow HF's for each placement."""
+
     def __init__(self, cfg: LlamaConfig, ctx: BuildContext) -> None:
-        eps = cfg.rms_norm_eps
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, ctx)
+        eps, h = cfg.rms_norm_eps, cfg.hidden_size
+        self.norms = cfg.norms
+        if cfg.norms not in ("pre", "sandwich", "post"):
+            raise UnsupportedModelError(f"norms {cfg.norms!r} is not supported")
+        if cfg.norms in ("pre", "sandwich"):
+            self.input_layernorm = RMSNorm(h, eps, ctx)
         self.self_attn = LlamaAttention(cfg, ctx)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, ctx)
+        # Llama's post_attention_layernorm is the MLP's pre-norm; in Gemma and OLMo 2 it
+        # normalizes the attention's output
+        self.post_attention_layernorm = RMSNorm(h, eps, ctx)
+        if cfg.norms == "sandwich":
+            self.pre_feedforward_layernorm = RMSNorm(h, eps, ctx)
+        if cfg.norms in ("sandwich", "post"):
+            self.post_feedforward_layernorm = RMSNorm(h, eps, ctx)
         self.mlp = LlamaMLP(cfg, ctx)
 
     def forward(self, x: nn.Tensor, cache: PagedKVCache, layer_id: int, gemv: bool) -> nn.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cache, layer_id, gemv)
-        return x + self.mlp(self.post_attention_layernorm(x), gemv)
+        if self.norms == "pre":
+            x = x + self.self_attn(self.input_layernorm(x), cache, layer_id, gemv)
+            return x + self.mlp(self.post_attention_layernorm(x), gemv)
+        attn_in = self.input_layernorm(x) if self.norms == "sandwich" else x
+        x = x + self.post_attention_layernorm(self.self_attn(attn_in, cache, layer_id, gemv))
+        mlp_in = self.pre_feedforward_layernorm(x) if self.norms == "sandwich" else x
+        return x + self.post_feedforward_layernorm(self.mlp(mlp_in, gemv))
 
 
 class LlamaModel(nn.Module):
@@ -201,10 +275,16 @@ class LlamaForCausalLM(nn.Module):
             logits = self.model.embed_tokens.lm_head(h)
         else:
             logits = self.lm_head(h, gemv=True)  # logits: a few rows, always the same kernel
-        return logits.astype("float32") if logits.dtype != "float32" else logits
+        logits = logits.astype("float32") if logits.dtype != "float32" else logits
+        cap = self.cfg.final_softcap
+        return op.tanh(logits / cap) * cap if cap else logits
 
     def embed(self, input_ids: nn.Tensor) -> nn.Tensor:
-        return self.model.embed_tokens(input_ids)
+        x = self.model.embed_tokens(input_ids)
+        scale = self.cfg.embed_scale
+        # in the activation dtype, as HF multiplies by a normalizer of the hidden states' dtype
+        return x * nn.Tensor.from_const(np.array(scale, dtype=self.mode.dtype)) \
+            if scale != 1.0 else x
 
     def prefill(self, input_embed: nn.Tensor, paged_kv_cache: PagedKVCache):
         n, h = input_embed.shape
@@ -275,7 +355,13 @@ class LlamaForCausalLM(nn.Module):
 def hf_params(
     cfg: LlamaConfig, get: Callable[[str], np.ndarray], names: set[str]
 ) -> Iterator[tuple[str, np.ndarray]]:
-    """Our float parameters, by our names, from HF tensors fetched by `get(hf_name)`."""
+    """Our float parameters, by our names, from HF tensors fetched by `get(hf_name)` (HF's
+    names for every block option: q_norm/k_norm, the norms of each placement, MLP biases)."""
+
+    def norm(name: str) -> np.ndarray:  # (offset + w) folded into the stored weight
+        w = get(name)
+        return w + np.asarray(cfg.norm_offset, dtype=w.dtype) if cfg.norm_offset else w
+
     yield "model.embed_tokens.weight", get("model.embed_tokens.weight")
     for i in range(cfg.num_hidden_layers):
         hf = f"model.layers.{i}."
@@ -287,12 +373,24 @@ def hf_params(
         yield ours + "self_attn.o_proj.weight", get(hf + "self_attn.o_proj.weight")
         if cfg.o_bias:
             yield ours + "self_attn.o_proj.bias", get(hf + "self_attn.o_proj.bias")
-        gate_up = [get(hf + "mlp.gate_proj.weight"), get(hf + "mlp.up_proj.weight")]
-        yield ours + "mlp.gate_up_proj.weight", np.concatenate(gate_up)
+        if cfg.qk_norm:
+            for qk in ("q_norm", "k_norm"):
+                yield ours + f"self_attn.{qk}.weight", norm(hf + f"self_attn.{qk}.weight")
+        gate_up = [hf + "mlp.gate_proj", hf + "mlp.up_proj"]
+        yield ours + "mlp.gate_up_proj.weight", np.concatenate([get(p + ".weight")
+                                                                for p in gate_up])
         yield ours + "mlp.down_proj.weight", get(hf + "mlp.down_proj.weight")
-        yield ours + "input_layernorm.weight", get(hf + "input_layernorm.weight")
-        yield ours + "post_attention_layernorm.weight", get(hf + "post_attention_layernorm.weight")
-    yield "model.norm.weight", get("model.norm.weight")
+        if cfg.mlp_bias:
+            yield ours + "mlp.gate_up_proj.bias", np.concatenate([get(p + ".bias")
+                                                                  for p in gate_up])
+            yield ours + "mlp.down_proj.bias", get(hf + "mlp.down_proj.bias")
+        layer_norms = {"pre": ("input_layernorm", "post_attention_layernorm"),
+                       "sandwich": ("input_layernorm", "post_attention_layernorm",
+                                    "pre_feedforward_layernorm", "post_feedforward_layernorm"),
+                       "post": ("post_attention_layernorm", "post_feedforward_layernorm")}
+        for name in layer_norms[cfg.norms]:
+            yield ours + f"{name}.weight", norm(hf + f"{name}.weight")
+    yield "model.norm.weight", norm("model.norm.weight")
     if not cfg.tie_word_embeddings:
         if "lm_head.weight" in names:
             yield "lm_head.weight", get("lm_head.weight")
