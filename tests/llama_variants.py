@@ -79,6 +79,19 @@ ODD_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
             "tie_word_embeddings": True,
         },
     ),
+    "qwen3-odd": (  # per-head q/k norm (the block option Qwen3 turns on), head_dim given
+        "Qwen3Config",
+        {
+            "vocab_size": 1001,
+            "hidden_size": 72,
+            "intermediate_size": 344,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 3,
+            "num_key_value_heads": 1,
+            "head_dim": 48,
+            "tie_word_embeddings": True,
+        },
+    ),
     "mistral-odd": (
         "MistralConfig",
         {

@@ -34,10 +34,12 @@ import rwkv_variants
 from fixtures import converted
 from model_oracle import rel_err, run_teacher_forced
 
-ARCHS = ["llama-odd", "qwen2-odd", "mistral-odd", "rwkv4-odd"]
+ARCHS = ["llama-odd", "qwen2-odd", "mistral-odd", "qwen3-odd", "rwkv4-odd"]
 QUANTS = ["q0f32", "q4f32_1", "q4f32_asym"]
-# q4f32_asym on an untied and a tied Llama and on RWKV (Mistral's layers are Llama's: no new path)
-CASES = [(a, q) for q in QUANTS for a in ARCHS if (a, q) != ("mistral-odd", "q4f32_asym")]
+# q4f32_asym on an untied and a tied Llama and on RWKV (Mistral's layers are Llama's: no new path;
+# Qwen3's q/k norm is a float path whatever the mode: q0f32 and q4f32_1 cover it)
+CASES = [(a, q) for q in QUANTS for a in ARCHS
+         if (a, q) not in (("mistral-odd", "q4f32_asym"), ("qwen3-odd", "q4f32_asym"))]
 PROMPT = [int(t) for t in np.random.RandomState(11).randint(0, 999, 20)]
 STEPS = 8
 

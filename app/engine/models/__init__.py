@@ -76,6 +76,7 @@ REGISTRY: tuple[Entry, ...] = (
         ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"),
         ("llama", "mistral", "qwen2"),
     ),
+    Entry("qwen3", "qwen3", ("Qwen3ForCausalLM",), ("qwen3",)),
     Entry("rwkv4", "rwkv4", ("RwkvForCausalLM",), ("rwkv",)),
 )
 
