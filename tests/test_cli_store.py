@@ -260,7 +260,8 @@ def test_pull_says_which_device_shows_progress_and_ends_with_one_summary_line(
     code, out, err = run(capsys, "pull", "org/tiny-llama")
     assert code == 0 and calls == ["convert", "compile"]
     assert re.fullmatch(r"pulled org/tiny-llama:q4f32_1: \S+ \w+ on disk, \S+ \w+ downloaded, "
-                        r"[\d.]+ s, for cpu \(from hub\)\n", out), out
+                        r"[\d.]+ s, for cpu \(from hub\); q4f32_1: the default for CPUs "
+                        r"\(`--quant` picks another\)\n", out), out
     assert "device: cpu (llvm-test) picked by --device auto" in err
     assert "model.safetensors" in err and "download (" in err  # a bar per file and overall
     assert "✓ convert to q4f32_1" in err and "✓ compile for llvm-test" in err

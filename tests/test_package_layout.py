@@ -4,16 +4,29 @@ no import cycles, and a `localchat --help` that loads no heavy module."""
 from __future__ import annotations
 
 import ast
+import importlib
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import localchat
 
-APP = Path(__file__).resolve().parent.parent / "app"
+ROOT = Path(__file__).resolve().parent.parent
+APP = ROOT / "app"
+# Packages installed under localchat from outside app/ (pyproject's package-dir).
+DATA_PACKAGES = {"localchat.recipes": ROOT / "recipes", "localchat.prebuilt": ROOT / "prebuilt"}
 FRONT_ENDS = ("localchat.cli", "localchat.server", "localchat.tui")
 # The CLI launches the other two front ends, each from one launcher module.
 LAUNCHERS = {"localchat.cli.tui": "localchat.tui", "localchat.cli.serve": "localchat.server"}
+# Besides its own package (and a launcher, its front end), a front end imports only `localchat`
+# (the public API) and these facades; each one's docstring lists what it offers.
+FACADES = {
+    "localchat", "localchat.errors", "localchat.store", "localchat.paths", "localchat.recipes",
+    "localchat.prebuilt", "localchat.model_dir", "localchat.engine", "localchat.downloader",
+}
+LAZY_FACADES = ("localchat", "localchat.engine", "localchat.downloader")
+HEAVY = ("tvm", "numpy", "torch", "huggingface_hub", "rich", "tokenizers")
 PUBLIC = {
     "Engine", "Conversation", "GenerationConfig", "ReplyStream", "Reply", "ReplyStats",
     "TokenEvent", "FinishEvent", "Event", "LocalchatError", "InvalidRequestError",
@@ -32,6 +45,15 @@ def module_name(path: Path) -> str:
 
 def all_modules() -> dict[str, Path]:
     return {module_name(p): p for p in APP.rglob("*.py")}
+
+
+def data_package_modules() -> dict[str, Path]:
+    found = {}
+    for package, folder in DATA_PACKAGES.items():
+        for p in folder.rglob("*.py"):
+            parts = [package, *p.relative_to(folder).with_suffix("").parts]
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    return found
 
 
 def imports_of(path: Path, modules: dict[str, Path], top_level_only: bool) -> set[str]:
@@ -61,8 +83,22 @@ def imports_of(path: Path, modules: dict[str, Path], top_level_only: bool) -> se
                 continue
             for alias in node.names:
                 sub = f"{base}.{alias.name}"
-                found.add(sub if sub in modules else base)
+                # a name the package exports is that name, not its submodule of the same name
+                # (`from localchat.downloader import pull` is the function)
+                is_module = sub in modules and alias.name not in exported_names(modules.get(base))
+                found.add(sub if is_module else base)
     return {m for m in found if m in modules}
+
+
+def exported_names(path: Path | None) -> set[str]:
+    """The names in a module's literal `__all__` (none without one)."""
+    if path is None:
+        return set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return set()
 
 
 def test_public_names() -> None:
@@ -133,4 +169,53 @@ def test_help_loads_no_heavy_module() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True).stdout
     assert "usage: localchat" in out
+    assert out.strip().endswith("HEAVY []")
+
+
+def test_front_ends_import_only_the_facades() -> None:
+    modules = {**all_modules(), **data_package_modules()}
+    bad = []
+    for name, path in sorted(modules.items()):
+        front = next((f for f in FRONT_ENDS if name == f or name.startswith(f + ".")), None)
+        if front is None:
+            continue
+        own = [front] + ([LAUNCHERS[name]] if name in LAUNCHERS else [])
+        for imported in sorted(imports_of(path, modules, top_level_only=False)):
+            if imported in FACADES or any(imported == p or imported.startswith(p + ".")
+                                          for p in own):
+                continue
+            bad.append(f"{name} imports {imported}")
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module in FACADES and not node.level:
+                bad.extend(f"{name} imports the private {node.module}.{a.name}"
+                           for a in node.names
+                           if a.name.startswith("_") and not a.name.endswith("__"))
+    assert not bad, ("a front end imports only its own package, `localchat` and the facades "
+                     f"{sorted(FACADES)}:\n" + "\n".join(bad))
+
+
+def test_facade_names_resolve() -> None:
+    for facade in LAZY_FACADES:
+        module = importlib.import_module(facade)
+        assert module.__all__, facade
+        for name in module.__all__:
+            value = getattr(module, name)  # loads the defining module
+            # a submodule of the same name (localchat.downloader.pull) must not hide the name
+            assert not isinstance(value, types.ModuleType), f"{facade}.{name} is a module"
+            if facade != "localchat":  # its docstring names the groups, not every error class
+                assert f"`{name}`" in (module.__doc__ or ""), f"{facade}'s docstring: no {name}"
+    importlib.import_module("localchat.downloader.pull")  # the submodule, loaded
+    from localchat.downloader import pull
+
+    assert callable(pull) and not isinstance(pull, types.ModuleType)
+
+
+def test_facades_load_no_heavy_module() -> None:
+    code = (
+        "import sys\n"
+        f"import {', '.join(sorted(FACADES))}\n"
+        f"print('HEAVY', [m for m in {HEAVY!r} if m in sys.modules])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
     assert out.strip().endswith("HEAVY []")

@@ -33,7 +33,7 @@ def console() -> Any:
 
 def human_size(nbytes: int) -> str:
     """`nbytes` as a human-readable size, e.g. "5.0 KB"."""
-    from localchat.downloader.space import human_size as size
+    from localchat.downloader import human_size as size
 
     return size(nbytes)
 
@@ -47,7 +47,7 @@ def open_store() -> Any:
 
 def auto_device_reason() -> str:
     """Why `--device auto` skipped each GPU kind, e.g. "cuda: not built in this TVM"."""
-    from localchat.engine.device import DEVICE_KINDS, backend_supported, device_present
+    from localchat.engine import DEVICE_KINDS, backend_supported, device_present
 
     notes = []
     for kind in DEVICE_KINDS:

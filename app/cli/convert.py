@@ -29,9 +29,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from localchat import model_dir as md
-    from localchat.engine import build
-    from localchat.engine.build.convert import has_tokenizer, read_hf_config
-    from localchat.engine.build.quantization import get_quant_mode
+    from localchat.engine import (
+        convert_source,
+        get_quant_mode,
+        gguf_default_quantization,
+        has_tokenizer,
+        inspect_gguf,
+        is_gguf,
+        read_hf_config,
+    )
 
     source, output = Path(args.source), Path(args.output)
     if output.exists() and not output.is_dir():
@@ -40,12 +46,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if md.is_model_dir(output) and not args.force:
         raise LocalchatError(f"{output} is already a model directory; add --force to replace it")
     quant = args.quant
-    if build.is_gguf(source):
-        build.inspect_gguf(source)  # a file that cannot be imported fails on that first
+    if is_gguf(source):
+        inspect_gguf(source)  # a file that cannot be imported fails on that first
         if quant is None:
-            from localchat.engine.device import select_device
+            from localchat.engine import select_device
 
-            quant = build.gguf_default_quantization(source, select_device(args.device).kind)
+            quant = gguf_default_quantization(source, select_device(args.device).kind)
     else:
         read_hf_config(source)  # a folder that is no model fails on that first
         if not has_tokenizer(source):
@@ -55,7 +61,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     get_quant_mode(quant)  # an unknown mode fails before any work
     if args.quant is None and quant != "q4f32_1":
         log(f"quantization {quant}: it holds this file's weights exactly")
-    out = build.convert_source(
+    out = convert_source(
         source,
         output,
         quant,
@@ -67,7 +73,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         log=log,
     )
     if not args.no_compile:
-        from localchat.engine.runtime import Model
+        from localchat.engine import Model
 
         model = Model(out, args.device, log=log)
         done = "compiled" if model.library.compiled else "found compiled"

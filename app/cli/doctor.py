@@ -27,9 +27,9 @@ def _hub_reachable(endpoint: str, timeout: float = HUB_CHECK_TIMEOUT_S) -> tuple
     import urllib.error
     import urllib.request
 
-    from localchat.downloader.hub import _offline
+    from localchat.downloader import hub_offline
 
-    if _offline():
+    if hub_offline():
         return False, "offline mode is on (HF_HUB_OFFLINE)"
     url = endpoint.rstrip("/") + "/api/models?limit=1"
     start = time.perf_counter()
@@ -51,26 +51,31 @@ def _doctor_report(verify: bool = False) -> dict[str, Any]:
     from huggingface_hub import constants
 
     from localchat import __version__
-    from localchat.downloader.space import free_bytes
+    from localchat.downloader import free_bytes
 
     report: dict[str, Any] = {"localchat": __version__, "python": platform.python_version()}
-    from localchat.engine import threads
+    from localchat.engine import (
+        ThreadCountError,
+        configure_threads,
+        ensure_threads,
+        physical_cores,
+    )
 
     try:
-        count, error = threads.configure_threads(), None
-    except threads.ThreadCountError as exc:
-        count, error = threads.ensure_threads(), str(exc)
-    report["threads"] = {"count": count, "physical_cores": threads.physical_cores(),
+        count, error = configure_threads(), None
+    except ThreadCountError as exc:
+        count, error = ensure_threads(), str(exc)
+    report["threads"] = {"count": count, "physical_cores": physical_cores(),
                          "error": error}
     try:
         import tvm
 
-        from localchat.engine.build.compile import target_key
-        from localchat.engine.device import (
+        from localchat.engine import (
             DEVICE_KINDS,
             backend_supported,
             device_present,
             select_device,
+            target_key,
         )
 
         report["tvm"] = tvm.__version__

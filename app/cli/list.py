@@ -27,9 +27,7 @@ def library_status(models: list[Any]) -> dict[Path, str]:
     if not models:
         return out
     try:
-        from localchat.engine.build import library_stem
-        from localchat.engine.build.compile import target_key
-        from localchat.engine.device import select_device
+        from localchat.engine import library_stem, select_device, target_key
 
         target = select_device("auto").target
         key = target_key(target)

@@ -60,8 +60,7 @@ def pull_with_progress(ref: str, *, device: str = "auto", quantization: str | No
                        force: bool = False) -> Any:
     """Pull `ref` into the store with the usual progress on stderr (device, downloads with their
     bytes, convert and compile steps, notes); the PullResult."""
-    from localchat.downloader.progress import RichProgress
-    from localchat.downloader.pull import engine_hooks, parse_source, pull
+    from localchat.downloader import RichProgress, engine_hooks, parse_source, pull
 
     parse_source(ref)  # an unknown name fails before the engine (TVM) is loaded
     out = console()
@@ -70,7 +69,7 @@ def pull_with_progress(ref: str, *, device: str = "auto", quantization: str | No
         out.print(message, style="dim", markup=False, highlight=False)
 
     if quantization:
-        from localchat.engine.build.quantization import get_quant_mode
+        from localchat.engine import get_quant_mode
 
         get_quant_mode(quantization)  # an unknown mode fails before any download
     store = open_store()
@@ -92,7 +91,7 @@ def ensure_local_model(ref: str, device: str = "auto") -> str:
     name (a recipe or a hub repo id), pull it first with the usual progress and return the
     stored `name:quant`. Anything else raises the store's not-found error, with its hints."""
     from localchat import model_dir as md
-    from localchat.downloader.pull import parse_source
+    from localchat.downloader import parse_source
     from localchat.errors import LocalchatError, ModelNotFoundError
 
     if md.is_model_dir(Path(ref).expanduser()):

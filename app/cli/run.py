@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from localchat.cli.common import report_end, write_reply
-from localchat.engine.threads import add_threads_argument
+from localchat.engine import add_threads_argument
 from localchat.errors import InvalidRequestError, LocalchatError
 
 CHAT_DEFAULT_MAX_TOKENS = 1024  # a turn of the interactive chat; one message: up to the window
@@ -228,10 +228,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _open_engine(args: argparse.Namespace, options: dict[str, Any]) -> Any:
     """The engine for `args.model`; Engine.open raises user errors before the model loads."""
+    from localchat import Engine  # imports TVM: only once a message is there
     from localchat.cli.common import log
     from localchat.cli.pull import ensure_local_model
-    from localchat.engine.engine import Engine  # imports TVM: only once a message is there
-    from localchat.engine.threads import configure_threads
+    from localchat.engine import configure_threads
 
     configure_threads(args.threads)
     model = ensure_local_model(args.model, args.device)  # `run` pulls a missing model first

@@ -36,7 +36,7 @@ def _stored_model(store: Any, ref: str) -> Any:
 
 def _template_info(model_dir: Path, meta: dict[str, Any]) -> tuple[str, Any]:
     """(description, template or None) of the template `run` uses for this model."""
-    from localchat.engine.templates import resolve_template
+    from localchat.engine import resolve_template
 
     try:
         template = resolve_template(model_dir, None, meta.get("template"))

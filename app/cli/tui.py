@@ -8,7 +8,7 @@ import argparse
 import os
 import sys
 
-from localchat.engine.threads import add_threads_argument
+from localchat.engine import add_threads_argument
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def launch(model: str | None, server: str | None, device: str = "auto",
            api_key: str | None = None, threads: int | None = None) -> int:
     """Run the terminal UI until it quits; its exit status."""
-    from localchat.engine.threads import configure_threads
+    from localchat.engine import configure_threads
 
     configure_threads(threads)  # before a model loads; a bad $LOCALCHAT_NUM_THREADS said now
     backend = None

@@ -155,7 +155,7 @@ class HubClient:
     def _errors(self, repo_id: str, revision: str, path: str | None = None) -> Iterator[None]:
         """Turn huggingface_hub and network errors into one-line localchat errors."""
         try:
-            if _offline():
+            if hub_offline():
                 raise OfflineModeIsEnabled("HF_HUB_OFFLINE is set")
             yield
         except LocalchatError:
@@ -409,7 +409,7 @@ def _hash_prefix(path: Path, length: int, hasher: _Hasher) -> None:
             remaining -= len(block)
 
 
-def _offline() -> bool:
+def hub_offline() -> bool:
     """HF_HUB_OFFLINE, read now (huggingface_hub reads it once at import)."""
     value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
     return value.strip().upper() in {"1", "ON", "YES", "TRUE"} or constants.HF_HUB_OFFLINE

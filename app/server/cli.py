@@ -8,7 +8,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from localchat.engine.threads import add_threads_argument, configure_threads
+from localchat.engine import add_threads_argument, configure_threads
 from localchat.errors import InvalidRequestError, LocalchatError
 from localchat.server.config import DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAULT_PORT, ServerConfig
 

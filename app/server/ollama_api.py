@@ -17,8 +17,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from localchat import __version__
-from localchat.engine.stream import FinishEvent, TokenEvent
+from localchat import FinishEvent, TokenEvent, __version__
 from localchat.errors import InvalidRequestError, LocalchatError, ModelNotFoundError
 from localchat.server import protocol as p
 from localchat.server.openai_api import ToolPlan, uses_tools
@@ -335,8 +334,8 @@ async def show(request: Request) -> JSONResponse:
     if not body.ref:
         raise InvalidRequestError("model is required", "model")
     ref, path = state.pool.resolve(body.ref)
+    from localchat import GenerationConfig
     from localchat import model_dir as md
-    from localchat.engine.generation_config import GenerationConfig
 
     config = md.load_config(path)
     quant = str(config.get("quantization") or "")
@@ -438,8 +437,8 @@ async def pull(request: Request) -> Response:
     body = p.OllamaPullRequest.model_validate_json(await read_body(request))
     if not body.ref:
         raise InvalidRequestError("model is required", "model")
-    from localchat.downloader.pull import engine_hooks, parse_source
-    from localchat.downloader.pull import pull as run_pull
+    from localchat.downloader import engine_hooks, parse_source
+    from localchat.downloader import pull as run_pull
     from localchat.recipes import QUANT_RE
 
     ref = body.ref

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from localchat.engine.stream import FinishEvent, ReplyStream, TokenEvent
+from localchat import FinishEvent, ReplyStream, TokenEvent
 from localchat.errors import ContextWindowError, InvalidRequestError, LocalchatError
 from localchat.server import protocol as p
 from localchat.server.state import ServerState, read_body, state_of

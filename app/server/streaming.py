@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from localchat.engine.stream import FinishEvent, ReplyStream, TokenEvent
+from localchat import FinishEvent, ReplyStream, TokenEvent
 from localchat.server.metrics import Metrics
 
 

@@ -18,7 +18,7 @@ from localchat.tui.settings import ChatSettings
 
 if TYPE_CHECKING:
     from localchat import Conversation, Engine, ReplyStream
-    from localchat.downloader.progress import DownloadProgress
+    from localchat.downloader import DownloadProgress
 
 Log = Callable[[str], None]
 RECOMMENDED = "smollm2-135m-instruct"  # tiny, and pullable without the hub (an offline wheel)
@@ -232,7 +232,7 @@ class LocalBackend:
 
     def pull(self, ref: str, *, progress: DownloadProgress, stage: Callable[[str], None],
              log: Log, cancelled: Callable[[], bool]) -> Pulled:
-        from localchat.downloader.pull import engine_hooks, parse_source, pull
+        from localchat.downloader import engine_hooks, parse_source, pull
         from localchat.recipes import QUANT_RE
 
         name, _, quant = ref.rpartition(":")

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from localchat.engine.stream import FinishEvent, Reply, ReplyStats, ReplyStream, TokenEvent
+from localchat import FinishEvent, Reply, ReplyStats, ReplyStream, TokenEvent
 from localchat.errors import LocalchatError, ModelNotFoundError
 from localchat.tui.backend import (
     RECOMMENDED,
@@ -34,7 +34,7 @@ from localchat.tui.backend import (
 from localchat.tui.settings import ChatSettings
 
 if TYPE_CHECKING:
-    from localchat.downloader.progress import DownloadProgress
+    from localchat.downloader import DownloadProgress
 
 API_KEY_ENV = "LOCALCHAT_API_KEY"
 CONNECT_TIMEOUT_S = 5.0

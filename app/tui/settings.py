@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from localchat.engine.generation_config import GenerationConfig
+from localchat import GenerationConfig
 from localchat.errors import InvalidRequestError
 
 # generation parameters the form offers, with the type each parses to
@@ -92,7 +92,7 @@ def parse_schema(text: str, *, compile_check: bool = False) -> dict[str, Any]:
     """The response format of a JSON Schema typed in the form, or InvalidRequestError (param
     "json_schema") saying why not. `compile_check` also compiles it as the engine will
     (llguidance, no tokenizer needed), catching what is valid JSON but no usable schema."""
-    from localchat.engine.grammar import json_schema_problem, normalize_response_format
+    from localchat.engine import json_schema_problem, normalize_response_format
 
     if not text.strip():
         raise InvalidRequestError("the JSON Schema is empty: type one, or pick another output "
