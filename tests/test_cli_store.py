@@ -117,6 +117,35 @@ def test_list_shows_quantization_device_size_and_whether_compiled(
     assert alpha.rstrip().endswith("yes") and "KB" in alpha
 
 
+def test_list_remembers_the_status_and_needs_no_tvm_while_nothing_changes(
+        store: Store, capsys: pytest.CaptureFixture[str]) -> None:
+    """The second `list` of an unchanged store answers from the status cache: no TVM import
+    (about a second); a changed model (a library added) is asked again."""
+    import subprocess
+    import sys
+
+    current = canonical_library()
+    add_model(store, "alpha", "q4f32_1", libs=(current,))
+    beta = add_model(store, "beta", "q4f32_1")
+    code = ("import sys, json\nfrom localchat.cli import main\nmain(['list', '--json'])\n"
+            "print('TVM', 'tvm' in sys.modules)")
+    env = {**__import__("os").environ, "LOCALCHAT_HOME": str(store.data_dir)}
+    first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env=env, timeout=120, check=True).stdout
+    assert first.rstrip().endswith("TVM True")
+    again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env=env, timeout=120, check=True).stdout
+    assert again.rstrip().endswith("TVM False")
+    rows = {r["name"]: r["compiled"] for r in json.loads(again.rpartition("TVM")[0])}
+    assert rows == {"alpha": "yes", "beta": "no"}
+    (beta / "lib").mkdir()
+    (beta / "lib" / current).write_bytes(b"\x7fELF")
+    changed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=env, timeout=120, check=True).stdout
+    assert {r["name"]: r["compiled"] for r in json.loads(changed.rpartition("TVM")[0])} == {
+        "alpha": "yes", "beta": "yes"}
+
+
 def test_list_available_names_the_recipes(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "list", "--available")
     assert code == 0 and "smollm2-135m-instruct" in out and "rwkv-world-3b" in out

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from localchat.cli.common import human_size, open_store
-from localchat.errors import LocalchatError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -21,30 +20,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def library_status(models: list[Any]) -> dict[Path, str]:
     """For each model: "yes" (this device's library is there), "stale" (an older build for this
-    target), "no"; "?" where the engine cannot tell."""
-    out: dict[Path, str] = {m.path: "yes" if m.compiled else "no" for m in models}
-    models = [m for m in models if not m.damaged]
-    if not models:
-        return out
-    try:
-        from localchat.engine import library_stem, select_device, target_key
+    target), "no"; "?" where the engine cannot tell ("damaged" ones are left to the caller)."""
+    from localchat.engine import library_status as status
 
-        target = select_device("auto").target
-        key = target_key(target)
-    except Exception:  # no usable TVM: fall back to "has any library"
-        return out
-    for m in models:
-        try:
-            stem = library_stem(m.path, target)
-        except (LocalchatError, KeyError, TypeError, ValueError):
-            out[m.path] = "?"
-            continue
-        if any(Path(f).stem == stem for f in m.libraries):
-            out[m.path] = "yes"
-        elif key in m.targets:
-            out[m.path] = "stale"
-        else:
-            out[m.path] = "no"
+    healthy = [m.path for m in models if not m.damaged]
+    out: dict[Path, str] = {m.path: "yes" if m.compiled else "no" for m in models}
+    if healthy:
+        out.update(status(healthy, open_store().cache_dir))
     return out
 
 

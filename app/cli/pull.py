@@ -53,6 +53,10 @@ def cmd_pull(args: argparse.Namespace) -> int:
     result = pull_with_progress(args.model, device=args.device, quantization=args.quant,
                                 force=args.force)
     print(result.summary())
+    if args.device == "auto":  # TVM is loaded: remember the status `list` shows, for free
+        from localchat.cli.list import library_status
+
+        library_status(open_store().models())
     return 0
 
 

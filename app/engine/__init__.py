@@ -18,7 +18,8 @@ from a module under it:
   file's weights exactly on the CPU), `read_hf_config` (an HF folder's config.json, or the
   error saying it is no model), `has_tokenizer`, `get_quant_mode` (a quantization mode by
   name, or the error listing the known ones), `library_stem` (the file stem of a model's
-  library for a target) and `target_key` (a target's short name);
+  library for a target), `target_key` (a target's short name) and `library_status` (whether
+  each stored model has this device's library, cached between runs so `list` needs no TVM);
 - `Model` (`engine/runtime.py`): a model directory loaded (compiled if needed) on a device;
 - `resolve_template` (`engine/templates.py`): the chat template to use (a name, else the
   model directory's own, else a default);
@@ -80,6 +81,7 @@ _LAZY = {
     "inspect_gguf": "localchat.engine.build",
     "is_gguf": "localchat.engine.build",
     "library_stem": "localchat.engine.build",
+    "library_status": "localchat.engine.build.library_status",
     "target_key": "localchat.engine.build.compile",
     "has_tokenizer": "localchat.engine.build.convert",
     "read_hf_config": "localchat.engine.build.convert",
@@ -107,6 +109,7 @@ __all__ = [
     "is_gguf",
     "json_schema_problem",
     "library_stem",
+    "library_status",
     "normalize_response_format",
     "physical_cores",
     "read_hf_config",
