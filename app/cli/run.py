@@ -66,7 +66,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     fmt.add_argument("--json-schema", metavar="FILE",
                      help="the reply is JSON valid under the JSON Schema in FILE")
     fmt.add_argument("--grammar", metavar="FILE",
-                     help="the reply is a sentence of the EBNF/GBNF grammar in FILE (rule root)")
+                     help="the reply is a sentence of the grammar in FILE: GBNF (rule root) "
+                     "or Lark (rule start)")
     p.add_argument("--stats", action="store_true", help="print timing stats to stderr")
     p.set_defaults(handler=cmd_run)
 

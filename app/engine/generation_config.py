@@ -57,7 +57,7 @@ class GenerationConfig:
         alternatives (0..MAX_TOP_LOGPROBS) on its TokenEvent.
     response_format: None or {"type": "text"} = free text; {"type": "json_object"} = any JSON
         object; {"type": "json_schema", "json_schema": {"schema": {...}}} = JSON valid under
-        the schema (OpenAI's shape); {"type": "grammar", "grammar": "<EBNF/GBNF>"}. The reply
+        the schema (OpenAI's shape); {"type": "grammar", "grammar": "<GBNF or Lark>"}. The reply
         is constrained token by token (engine/grammar.py).
     """
 

@@ -40,7 +40,7 @@ class StreamOptions(_Request):
 
 
 class ResponseFormat(_Request):
-    """OpenAI's response_format, plus {"type": "grammar", "grammar": "<EBNF/GBNF>"}."""
+    """OpenAI's response_format, plus {"type": "grammar", "grammar": "<GBNF or Lark>"}."""
 
     type: Literal["text", "json_object", "json_schema", "grammar"]
     json_schema: dict[str, Any] | None = None
