@@ -4,6 +4,11 @@
   `scheduled` function attributes, the AVX-512 probe, the GEMV's input transposition).
 - `matmul`: CPU linear layers (float or 4-bit weights) for prefill; one-row calls take the GEMV.
 - `gemv`: the decode GEMV (4-bit weights unpacked in registers, or float), Llama and RWKV alike.
-- `attention`: CPU attention over TVM's paged KV cache, and the KV cache that uses it.
+- `attention`: CPU attention over TVM's paged KV cache (soft-cap, sliding window), the KV cache
+  that uses it, and the rotary kernels (in the cache, or per layer by the model).
+- `elementwise`: RMSNorm (any leading axes, optional 1 + w), the gated MLP activation (SiLU,
+  GELU-tanh) and the logit soft-cap.
 - `wkv`: RWKV-4's token shift, WKV scan (CPU and GPU) and the copy kernels of its RNN state.
+- `tvm_private`: every private (underscore) TVM name localchat uses, checked against the TVM
+  version they were read against.
 """

@@ -28,23 +28,47 @@ gets output 0 and lse -5e4, which the runtime's merge weighs as zero.
 
 Rotary position embedding is applied by the cache before attention in RopeMode.NORMAL (and not
 at all in NONE), so the kernels ignore `rotary_mode`/rope arguments; INLINE mode, MLA and the
-sliding-window variants are left to TVM's kernels (`create_paged_kv_cache_cpu` falls back to
-`TIRPagedKVCache` for INLINE and MLA, and keeps TVM's sliding-window kernels).
+sliding-window variants (attn_kind "mha_sliding") are left to TVM's kernels
+(`create_paged_kv_cache_cpu` falls back to `TIRPagedKVCache` for INLINE and MLA, and keeps TVM's
+sliding-window kernels).
+
+Options for other decoder blocks (issue 22), all off by default, and off they build exactly the
+kernels there were before them:
+* an attention-logit soft-cap, c * tanh(s / c) on the scaled scores (`attn_soft_cap`);
+* a sliding window (`sliding_window` W): the runtime gives a kernel no layer id, so a layer asks
+  for the window through the sign of its sm_scale (`windowed_sm_scale`), and the kernels find
+  the keys in it from the rope positions the runtime passes them (query position - key position
+  < W), which stays exact across chunks, batches and forked sequences; windowed decode and
+  prefill skip the keys before the window;
+* the attention scale is the `sm_scale` each call passes (Gemma's query_pre_attn_scalar^-0.5);
+* rotary embedding the model applies itself (`rotary_qkv_cpu`, with the cache in
+  RopeMode.NONE): per-layer theta, no rope on a layer, partial width. The cache's own rotary
+  (`split_rotary_cpu`) does partial width too (`rotary_dim`), the same for every layer.
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import tvm
 from tvm import relax as rx
 from tvm import tirx
-from tvm.relax.frontend.nn.llm import kv_cache as _kv
-from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
+from tvm.relax.frontend.nn.llm.kv_cache import (
+    AttnKind,
+    PagedKVCache,
+    RopeMode,
+    TIRPagedKVCache,
+    llama_rope_with_position_map,
+    tree_attn_cpu,
+    tree_attn_with_paged_kv_cache_cpu,
+)
 from tvm.script import tirx as T
 from tvm.target import Target
 
-from localchat.engine.kernels.common import LANES, LOG2E, exp2, scheduled, vec_width
+from localchat.engine.kernels import tvm_private
+from localchat.engine.kernels.common import LANES, LOG2E, exp2, scheduled, tanh, vec_width
 
 # LANES (16 float32 lanes of one AVX-512 register) is also the query rows per prefill work item.
 KEY_BLOCK = 64  # keys per online-softmax step in prefill
@@ -71,6 +95,63 @@ def _check_heads(h_kv: int, h_q: int) -> int:
     return h_q // h_kv
 
 
+@dataclass(frozen=True)
+class ScoreOptions:
+    """What a kernel does to the scores beyond q.k * sm_scale, fixed when it is built.
+
+    soft_cap: c > 0 replaces each scaled score s by c * tanh(s / c) before the softmax (Gemma
+    2's attention soft-cap); 0: off.
+    sliding_window: W > 0 lets a call whose `sm_scale` is negative (`windowed_sm_scale`) attend
+    only to the keys of the last W positions (the query's own included), at |sm_scale|; calls
+    with a positive sm_scale attend to all keys. 0: off (sm_scale is used as given).
+
+    The helpers return the expressions of the kernels; with both options off they are exactly
+    the expressions the kernels had before the options existed, so default kernels are unchanged.
+    """
+
+    soft_cap: float = 0.0
+    sliding_window: int = 0
+
+    def __post_init__(self) -> None:
+        if self.soft_cap < 0:
+            raise ValueError(f"the attention soft-cap must be >= 0, not {self.soft_cap}")
+        if self.sliding_window < 0:
+            raise ValueError(f"the sliding window must be >= 0, not {self.sliding_window}")
+
+    def q_scale(self, sm_scale):
+        """The factor applied to q: log2 units, or s / c in natural units under a soft-cap."""
+        if self.sliding_window:
+            sm_scale = T.abs(sm_scale)
+        if self.soft_cap:
+            return sm_scale * T.float32(1.0 / self.soft_cap)
+        return sm_scale * T.float32(LOG2E)
+
+    def score(self, dot):
+        """The score in log2 units of `dot`, q.k times `q_scale`."""
+        if self.soft_cap:
+            return T.float32(self.soft_cap * LOG2E) * tanh(dot)
+        return dot
+
+    def first_key(self, sm_scale, q_pos, k_pos0):
+        """The first key (index from the one at position k_pos0) that a query at position q_pos
+        sees: beyond the window only when the call is windowed; 0 without a window."""
+        if not self.sliding_window:
+            return 0
+        return T.if_then_else(
+            sm_scale < T.float32(0), T.max(q_pos - (self.sliding_window - 1) - k_pos0, 0), 0
+        )
+
+
+def windowed_sm_scale(sm_scale: float) -> float:
+    """The `sm_scale` to give `attention_with_fused_qkv` for a layer with a sliding window, on a
+    cache from `create_paged_kv_cache_cpu(..., sliding_window=W)`: its negative, which the
+    kernels read as "this call is windowed" (the runtime tells kernels nothing else per layer).
+    Layers that see every key pass sm_scale itself."""
+    if not sm_scale > 0:
+        raise ValueError(f"sm_scale must be positive, not {sm_scale}")
+    return -sm_scale
+
+
 # --------------------------------------------------------------------------------------------
 # Prefill
 # --------------------------------------------------------------------------------------------
@@ -90,7 +171,16 @@ def _prefill_shape(group: int, d: int) -> tuple[int, int]:
     return heads, 1 if heads > 1 else 3
 
 
-def _prefill_macros(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str, paged: bool, ps: int = 0):
+def _prefill_macros(
+    h_kv: int,
+    h_q: int,
+    d_qk: int,
+    d_v: int,
+    dtype: str,
+    paged: bool,
+    ps: int = 0,
+    opts: ScoreOptions = ScoreOptions(),
+):
     """The work item shared by the ragged and paged prefill kernels."""
     group = _check_heads(h_kv, h_q)
     gs, qv_n = _prefill_shape(group, max(d_qk, d_v))
@@ -104,6 +194,25 @@ def _prefill_macros(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str, paged:
     dvv = d_v // vw
     row_tile = _row_tile(rows, dvv)
     f32 = "float32"
+    window = opts.sliding_window > 0
+    # lim[qi]: keys visible to query qi are col < lim[qi]; with a window also col >= lim[bq + qi]
+    lim_len = 2 * bq if window else bq
+
+    def visible(lim, col, qi):
+        if window:
+            return tirx.And(col < lim[qi], col >= lim[bq + qi])
+        return col < lim[qi]
+
+    def key_blocks(kv_stop, lim):
+        # key blocks from the first key any query of the item sees (lim[bq]) to kv_stop
+        if window:
+            return (kv_stop - T.min(lim[bq], kv_stop) + KEY_BLOCK - 1) // KEY_BLOCK
+        return (kv_stop + KEY_BLOCK - 1) // KEY_BLOCK
+
+    def block_start(kb, kv_stop, lim):
+        if window:
+            return T.min(lim[bq], kv_stop) + kb * KEY_BLOCK
+        return kb * KEY_BLOCK
 
     @T.macro
     def seq_block(
@@ -123,17 +232,21 @@ def _prefill_macros(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str, paged:
         scale,
         kv_base,
         page_values,
+        q_pos,
+        k_pos0,
+        sm_scale,
     ):
         # Queries q0 .. q0 + nq of a sequence (its tokens start at b_tok0) x query heads
         # h0 .. h0 + gs, against its kv_n keys of KV head hk. kv_base: the sequence's first token
-        # in k/v (ragged) or its first page_values entry (paged).
+        # in k/v (ragged) or its first page_values entry (paged). With a window: q_pos holds the
+        # positions of the queries, k_pos0 is the position of key 0.
         qt = T.alloc_buffer((d_qk, rv, LANES), f32)
         s_t = T.alloc_buffer((KEY_BLOCK, rows), f32)
         o = T.alloc_buffer((rows, d_v), f32)
         m = T.alloc_buffer((rows,), f32)
         lsum = T.alloc_buffer((rows,), f32)
         alpha = T.alloc_buffer((rows,), f32)
-        lim = T.alloc_buffer((bq,), "int32")
+        lim = T.alloc_buffer((lim_len,), "int32")
         koff = T.alloc_buffer((KEY_BLOCK,), "int32")
         voff = T.alloc_buffer((KEY_BLOCK,), "int32")
         acc = T.alloc_buffer((key_tile, rv, LANES), f32)
@@ -155,6 +268,11 @@ def _prefill_macros(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str, paged:
         # Keys visible to each query: col < lim (causal: kv_n - qo_n + row + 1).
         for qi in T.vectorized(bq):
             lim[qi] = T.if_then_else(causal > 0, T.min(kv_n, kv_n - qo_n + q0 + qi + 1), kv_n)
+        if window:
+            for qi in range(bq):
+                lim[bq + qi] = opts.first_key(
+                    sm_scale, q_pos[b_tok0 + T.min(q0 + qi, qo_n - 1)], k_pos0
+                )
         kv_stop: T.let[T.int32] = T.if_then_else(
             causal > 0, T.max(T.min(kv_n, kv_n - qo_n + q0 + nq), 0), kv_n
         )
@@ -165,8 +283,8 @@ def _prefill_macros(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str, paged:
             for c in T.vectorized(d_v):
                 o[r, c] = T.float32(0)
 
-        for kb in range((kv_stop + KEY_BLOCK - 1) // KEY_BLOCK):
-            j0: T.let[T.int32] = kb * KEY_BLOCK
+        for kb in range(key_blocks(kv_stop, lim)):
+            j0: T.let[T.int32] = block_start(kb, kv_stop, lim)
             nk: T.let[T.int32] = T.min(KEY_BLOCK, kv_stop - j0)
             # Element offsets of the block's K and V rows (past the end: repeat the last row).
             for jj in range(KEY_BLOCK):
@@ -193,7 +311,7 @@ def _prefill_macros(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str, paged:
                                 )
                 for jj, v in T.grid(key_tile, rv):
                     for e in T.vectorized(LANES):
-                        s_t[jt * key_tile + jj, v * LANES + e] = acc[jj, v, e]
+                        s_t[jt * key_tile + jj, v * LANES + e] = opts.score(acc[jj, v, e])
             # Online softmax, lane-wise over each vector of 16 rows.
             for v in range(rv):
                 for e in T.vectorized(LANES):
@@ -203,7 +321,7 @@ def _prefill_macros(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str, paged:
                         mx[e] = T.max(
                             mx[e],
                             T.Select(
-                                j0 + jj < lim[v % qv_n * LANES + e],
+                                visible(lim, j0 + jj, v % qv_n * LANES + e),
                                 s_t[jj, v * LANES + e],
                                 T.float32(NEG_INF),
                             ),
@@ -215,7 +333,7 @@ def _prefill_macros(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str, paged:
                 for jj in range(nk):
                     for e in T.vectorized(LANES):
                         s_t[jj, v * LANES + e] = T.Select(
-                            j0 + jj < lim[v % qv_n * LANES + e],
+                            visible(lim, j0 + jj, v % qv_n * LANES + e),
                             exp2(s_t[jj, v * LANES + e] - mx[e]),
                             T.float32(0),
                         )
@@ -275,13 +393,24 @@ def _prefill_macros(h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str, paged:
 
 
 def attention_prefill_ragged_cpu(
-    h_kv: int, h_q: int, d_qk: int, d_v: int, dtype: str
+    h_kv: int,
+    h_q: int,
+    d_qk: int,
+    d_v: int,
+    dtype: str,
+    *,
+    soft_cap: float = 0.0,
+    sliding_window: int = 0,
 ) -> tirx.PrimFunc:
     """Causal (or full) attention of a batch of new tokens to themselves: k/v ragged in memory.
 
     Same signature as TVM's `_attention_prefill_ragged_cpu`; rope arguments are ignored.
+    `soft_cap`, `sliding_window`: see `ScoreOptions` (a window reads the rope positions).
     """
-    seq_block, locate, bq, n_sub, gs = _prefill_macros(h_kv, h_q, d_qk, d_v, dtype, paged=False)
+    opts = ScoreOptions(soft_cap, sliding_window)
+    seq_block, locate, bq, n_sub, gs = _prefill_macros(
+        h_kv, h_q, d_qk, d_v, dtype, paged=False, opts=opts
+    )
     group = h_q // h_kv
 
     @T.prim_func(private=True)
@@ -329,7 +458,7 @@ def attention_prefill_ragged_cpu(
         vf = T.decl_buffer((kv_len * h_kv * d_v,), dtype, data=v.data)
         outf = T.decl_buffer((qo_len * h_q * d_v,), dtype, data=output.data)
 
-        scale: T.let[T.float32] = sm_scale * T.float32(LOG2E)
+        scale: T.let[T.float32] = opts.q_scale(sm_scale)
         n_items: T.let[T.int32] = h_kv * n_sub * ((qo_len + bq - 1) // bq + batch_size)
         with T.attr(0, "pragma_parallel_launch_point", 1):
             with T.attr(0, "pragma_parallel_stride_pattern", 1):
@@ -357,21 +486,33 @@ def attention_prefill_ragged_cpu(
                             scale,
                             kv_indptr[b],
                             None,
+                            _q_rope_position,
+                            _k_rope_pos_offset[b],
+                            sm_scale,
                         )
 
     return scheduled(batch_prefill_ragged_kv)
 
 
 def attention_prefill_paged_cpu(
-    h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 16
+    h_kv: int,
+    h_q: int,
+    d: int,
+    dtype: str,
+    page_size: int = 16,
+    *,
+    soft_cap: float = 0.0,
+    sliding_window: int = 0,
 ) -> tirx.PrimFunc:
     """Attention of a batch of new tokens to the pages already in the cache.
 
     Same signature as TVM's `_attention_prefill_cpu(..., sliding_window=False)`, and like it
     compiled for one page size (16 by default). Rope arguments are ignored.
+    `soft_cap`, `sliding_window`: see `ScoreOptions` (a window reads the rope positions).
     """
+    opts = ScoreOptions(soft_cap, sliding_window)
     seq_block, locate, bq, n_sub, gs = _prefill_macros(
-        h_kv, h_q, d, d, dtype, paged=True, ps=page_size
+        h_kv, h_q, d, d, dtype, paged=True, ps=page_size, opts=opts
     )
     group = h_q // h_kv
 
@@ -427,7 +568,7 @@ def attention_prefill_paged_cpu(
         pf = T.decl_buffer((max_num_pages * 2 * h_kv * page_size * d,), dtype, data=pages.data)
         outf = T.decl_buffer((total_len * h_q * d,), dtype, data=output.data)
 
-        scale: T.let[T.float32] = sm_scale * T.float32(LOG2E)
+        scale: T.let[T.float32] = opts.q_scale(sm_scale)
         n_items: T.let[T.int32] = h_kv * n_sub * ((total_len + bq - 1) // bq + batch_size)
         with T.attr(0, "pragma_parallel_launch_point", 1):
             with T.attr(0, "pragma_parallel_stride_pattern", 1):
@@ -456,6 +597,9 @@ def attention_prefill_paged_cpu(
                             scale,
                             page_indptr[b],
                             page_values,
+                            _q_rope_position,
+                            _k_rope_pos_offset[b],
+                            sm_scale,
                         )
 
     return scheduled(batch_prefill_paged_kv_cpu)
@@ -467,13 +611,23 @@ def attention_prefill_paged_cpu(
 
 
 def attention_decode_paged_cpu(
-    h_kv: int, h_q: int, d: int, dtype: str, page_size: int = 16
+    h_kv: int,
+    h_q: int,
+    d: int,
+    dtype: str,
+    page_size: int = 16,
+    *,
+    soft_cap: float = 0.0,
+    sliding_window: int = 0,
 ) -> tirx.PrimFunc:
     """One new token per sequence attending to all its pages (the new token's K/V included).
 
     Same signature as TVM's `_attention_decode_cpu(..., sliding_window=False)`, and like it
     compiled for one page size (16 by default). Rope arguments are ignored.
+    `soft_cap`, `sliding_window`: see `ScoreOptions`; a windowed call splits and reads only the
+    keys in the window.
     """
+    opts = ScoreOptions(soft_cap, sliding_window)
     group = _check_heads(h_kv, h_q)
     vw = vec_width(d)
     nv = d // vw
@@ -501,6 +655,26 @@ def attention_decode_paged_cpu(
 
     def maximum(a, b):
         return T.max(a, b)
+
+    def splits_used(n_keys):
+        return T.max(T.min((n_keys + DECODE_MIN_SPLIT - 1) // DECODE_MIN_SPLIT, n_split), 1)
+
+    def split_span(n_keys, used):
+        return ((n_keys + used - 1) // used + blk - 1) // blk * blk
+
+    def skipped(kv_n, q_pos, k_pos0, sm_scale):
+        # keys before the window, not read at all
+        return T.min(opts.first_key(sm_scale, q_pos, k_pos0), kv_n)
+
+    def keys_read(kv_n, q_pos, k_pos0, sm_scale):
+        if opts.sliding_window:
+            return kv_n - skipped(kv_n, q_pos, k_pos0, sm_scale)
+        return kv_n
+
+    def split_start(start, kv_n, q_pos, k_pos0, sm_scale):
+        if opts.sliding_window:
+            return skipped(kv_n, q_pos, k_pos0, sm_scale) + start
+        return start
 
     @T.prim_func(private=True)
     def batch_decode_paged_kv(
@@ -548,7 +722,7 @@ def attention_decode_paged_cpu(
         part_o = T.alloc_buffer((B * h_kv * n_split, group, d), f32)
         part_m = T.alloc_buffer((B * h_kv * n_split, group), f32)
         part_l = T.alloc_buffer((B * h_kv * n_split, group), f32)
-        scale: T.let[T.float32] = sm_scale * T.float32(LOG2E)
+        scale: T.let[T.float32] = opts.q_scale(sm_scale)
 
         with T.attr(0, "pragma_parallel_launch_point", 1):
             with T.attr(0, "pragma_parallel_stride_pattern", 1):
@@ -569,11 +743,16 @@ def attention_decode_paged_cpu(
                     kv_n: T.let[T.int32] = T.if_then_else(
                         npg > 0, (npg - 1) * page_size + length_info[b], 0
                     )
-                    used: T.let[T.int32] = T.max(
-                        T.min((kv_n + DECODE_MIN_SPLIT - 1) // DECODE_MIN_SPLIT, n_split), 1
+                    # the keys read (all, or those in the window) in `used` splits of `span`
+                    used: T.let[T.int32] = splits_used(
+                        keys_read(kv_n, _q_rope_position[b], _k_rope_pos_offset[b], sm_scale)
                     )
-                    span: T.let[T.int32] = ((kv_n + used - 1) // used + blk - 1) // blk * blk
-                    k_beg: T.let[T.int32] = split * span
+                    span: T.let[T.int32] = split_span(
+                        keys_read(kv_n, _q_rope_position[b], _k_rope_pos_offset[b], sm_scale), used
+                    )
+                    k_beg: T.let[T.int32] = split_start(
+                        split * span, kv_n, _q_rope_position[b], _k_rope_pos_offset[b], sm_scale
+                    )
                     k_end: T.let[T.int32] = T.min(kv_n, k_beg + span)
                     for g in T.unroll(group):
                         for c in T.vectorized(d):
@@ -604,7 +783,7 @@ def attention_decode_paged_cpu(
                                         )
                             for g in T.unroll(group):
                                 hreduce(acc, g, vw, add)
-                                s[g, jj] = acc[g, 0]
+                                s[g, jj] = opts.score(acc[g, 0])
                         # online softmax over the block
                         for g in T.unroll(group):
                             for e in T.vectorized(blk):
@@ -710,6 +889,48 @@ SHARED_FREQ_ROPE = (None, "llama3", "llama4")
 SERIAL_ROPE_TOKENS = 2  # up to this many tokens the rotary kernel runs on the calling thread
 
 
+def _rope_macros(
+    theta: float,
+    scale: float,
+    head_dim: int,
+    dtype: str,
+    rope_scaling: dict[str, Any],
+    rotary_dim: int,
+):
+    """(angle, rotate) shared by the rotary kernels: angle(pos, i, 0 or 1) is the cosine or sine
+    of dimension i (and i + rotary_dim / 2) at position pos, TVM's frequency expression with its
+    shared lets; rotate(qkv, out, t, h, src, cs, sn) writes head `src` of token t of qkv to head
+    h of out, its first rotary_dim features rotated by the cosines cs and sines sn."""
+    from tvm.relax.frontend.nn.llm.position_embedding import switch_rope_freq_func
+
+    f32 = "float32"
+    half = rotary_dim // 2
+    freq = switch_rope_freq_func(rope_scaling)
+
+    def angle(pos, i, which: int):
+        cos_sin = freq(T.Cast(f32, pos) * tirx.const(scale, f32), i, rotary_dim, theta, f32)
+        expr = cos_sin[which]
+        for var, value in cos_sin[2].items():
+            expr = tirx.Let(var, value, expr)
+        return expr
+
+    @T.macro
+    def rotate(qkv, out, t, h, src, cs, sn):
+        for i in T.vectorized(half):
+            out[t, h, i] = T.Cast(
+                dtype,
+                T.Cast(f32, qkv[t, src, i]) * cs[i] - T.Cast(f32, qkv[t, src, i + half]) * sn[i],
+            )
+            out[t, h, i + half] = T.Cast(
+                dtype,
+                T.Cast(f32, qkv[t, src, i + half]) * cs[i] + T.Cast(f32, qkv[t, src, i]) * sn[i],
+            )
+        for d in range(head_dim - rotary_dim):
+            out[t, h, rotary_dim + d] = qkv[t, src, rotary_dim + d]
+
+    return angle, rotate
+
+
 def split_rotary_cpu(
     theta: float,
     scale: float,
@@ -728,35 +949,10 @@ def split_rotary_cpu(
     None for the scalings this does not cover (TVM's kernel then)."""
     if rope_scaling.get("rope_type") not in SHARED_FREQ_ROPE or rotary_dim % 2:
         return None
-    from tvm.relax.frontend.nn.llm.position_embedding import switch_rope_freq_func
-
     f32 = "float32"
     half = rotary_dim // 2
     fused = h_q + 2 * h_kv
-    freq = switch_rope_freq_func(rope_scaling)
-
-    def _angle(pos, i, which: int):
-        # TVM's frequency expression for dimension i (and i + half), with its shared lets
-        cos_sin = freq(T.Cast(f32, pos) * tirx.const(scale, f32), i, rotary_dim, theta, f32)
-        expr = cos_sin[which]
-        for var, value in cos_sin[2].items():
-            expr = tirx.Let(var, value, expr)
-        return expr
-
-    @T.macro
-    def rotate(qkv, out, t, h, src, cs, sn):
-        # out[t, h] = head `src` of qkv[t], its first rotary_dim features rotated
-        for i in T.vectorized(half):
-            out[t, h, i] = T.Cast(
-                dtype,
-                T.Cast(f32, qkv[t, src, i]) * cs[i] - T.Cast(f32, qkv[t, src, i + half]) * sn[i],
-            )
-            out[t, h, i + half] = T.Cast(
-                dtype,
-                T.Cast(f32, qkv[t, src, i + half]) * cs[i] + T.Cast(f32, qkv[t, src, i]) * sn[i],
-            )
-        for d in range(head_dim - rotary_dim):
-            out[t, h, rotary_dim + d] = qkv[t, src, rotary_dim + d]
+    _angle, rotate = _rope_macros(theta, scale, head_dim, dtype, rope_scaling, rotary_dim)
 
     @T.macro
     def one_token(qkv, position_map, q, k, v, apply_rope, t):
@@ -800,6 +996,83 @@ def split_rotary_cpu(
     return scheduled(split_rotary)
 
 
+def rotary_qkv_cpu(
+    theta: float,
+    scale: float,
+    head_dim: int,
+    h_q: int,
+    h_kv: int,
+    dtype: str,
+    rope_scaling: dict[str, Any] | None = None,
+    rotary_dim: int | None = None,
+) -> tirx.PrimFunc:
+    """Rotary position embedding on the q and k heads of fused QKV, for a model that applies it
+    itself (a cache in RopeMode.NONE): per-layer theta (one kernel per theta), no rope on some
+    layers (no call), partial width (`rotary_dim` < head_dim: the rest passes through).
+
+    Arguments (qkv [b, s, h_q + 2 h_kv, head_dim], positions [b * s] int32, out shaped as qkv),
+    v copied; positions are the tokens' positions in their sequences
+    (`PagedKVCache.get_query_positions`). The math of `split_rotary_cpu` (HF's rotate-half;
+    `scale` multiplies positions: 1 / factor for linear rope scaling); `rope_scaling` with a
+    rope_type of `SHARED_FREQ_ROPE` (None: plain rope)."""
+    items = tuple(sorted((rope_scaling or {}).items()))
+    return _rotary_qkv_cpu(theta, scale, head_dim, h_q, h_kv, dtype, items, rotary_dim)
+
+
+@functools.cache  # one parse per model, not per layer
+def _rotary_qkv_cpu(
+    theta: float,
+    scale: float,
+    head_dim: int,
+    h_q: int,
+    h_kv: int,
+    dtype: str,
+    rope_scaling: tuple[tuple[str, Any], ...],
+    rotary_dim: int | None,
+) -> tirx.PrimFunc:
+    rotary_dim = head_dim if rotary_dim is None else rotary_dim
+    scaling = dict(rope_scaling)
+    if scaling.get("rope_type") not in SHARED_FREQ_ROPE:
+        raise ValueError(f"rotary_qkv_cpu does not cover rope scaling {scaling.get('rope_type')!r}")
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"rotary_dim must be even and in (0, {head_dim}], not {rotary_dim}")
+    f32 = "float32"
+    half = rotary_dim // 2
+    fused = h_q + 2 * h_kv
+    angle, rotate = _rope_macros(theta, scale, head_dim, dtype, scaling, rotary_dim)
+
+    @T.macro
+    def one_token(qkv, positions, out, t):
+        cs = T.alloc_buffer((half,), f32)
+        sn = T.alloc_buffer((half,), f32)
+        for i in range(half):
+            cs[i] = angle(positions[t], i, 0)
+            sn[i] = angle(positions[t], i, 1)
+        for h in range(h_q + h_kv):
+            rotate(qkv, out, t, h, h, cs, sn)
+        for h in range(h_q + h_kv, fused):
+            for d in T.vectorized(head_dim):
+                out[t, h, d] = qkv[t, h, d]
+
+    @T.prim_func(private=True)
+    def rotary_qkv(var_qkv: T.handle, var_positions: T.handle, var_out: T.handle):
+        T.func_attr({"op_pattern": 8})
+        b, s = T.int64(), T.int64()
+        qkv = T.match_buffer(var_qkv, (b, s, fused, head_dim), dtype)
+        positions = T.match_buffer(var_positions, (b * s,), "int32")
+        out = T.match_buffer(var_out, (b, s, fused, head_dim), dtype)
+        qkv_t = T.decl_buffer((b * s, fused, head_dim), dtype, data=qkv.data)
+        out_t = T.decl_buffer((b * s, fused, head_dim), dtype, data=out.data)
+        if b * s <= SERIAL_ROPE_TOKENS:  # a thread-pool launch costs more than the work
+            for t in range(b * s):
+                one_token(qkv_t, positions, out_t, t)
+        else:
+            for t in T.parallel(b * s):
+                one_token(qkv_t, positions, out_t, t)
+
+    return scheduled(rotary_qkv)
+
+
 # --------------------------------------------------------------------------------------------
 # The KV cache
 # --------------------------------------------------------------------------------------------
@@ -834,6 +1107,8 @@ def create_paged_kv_cache_cpu(
     name: str = "paged_kv_cache",
     *,
     layer_sliding_window_size: int = 1024,
+    attn_soft_cap: float = 0.0,
+    sliding_window: int = 0,
 ) -> PagedKVCache:
     """A paged KV cache like `TIRPagedKVCache(...)` (same arguments), with fast CPU attention.
 
@@ -842,13 +1117,37 @@ def create_paged_kv_cache_cpu(
     prefill, paged prefill, paged decode and merge-state kernels of this module in place of
     TVM's. Anything else (other targets, MLA, RopeMode.INLINE) gets `TIRPagedKVCache` itself.
     The runtime page size must be 16, as for TVM's CPU kernels.
+
+    Our own options (both need our kernels, so an llvm target, MHA layers, NORMAL or NONE rope):
+    - `attn_soft_cap`: c > 0 soft-caps every layer's scaled attention scores, c * tanh(s / c),
+      before the softmax (Gemma 2: 50); 0 off.
+    - `sliding_window`: W > 0 compiles a window of W positions into the kernels; the layers that
+      use it say so per call with `sm_scale=windowed_sm_scale(scale)`, the others attend to every
+      key. Every layer keeps its full KV (attn_kind stays "mha"), and a window is exact whatever
+      the chunking, batching or forking of the sequences (positions decide it). TVM's own
+      per-layer window (attn_kind "mha_sliding", `layer_sliding_window_size`) still goes to TVM's
+      serial kernels and cannot be combined with these options.
     """
     kinds = attn_kind if isinstance(attn_kind, list) else [attn_kind] * num_hidden_layers
-    if (
+    ours = not (
         target.kind.name != "llvm"
         or any(k == "mla" for k in kinds)
         or int(rope_mode) == int(RopeMode.INLINE)
-    ):
+    )
+    if attn_soft_cap or sliding_window:
+        if not ours:
+            raise ValueError(
+                "attn_soft_cap and sliding_window need the CPU attention kernels: an llvm target, "
+                "MHA layers and rope_mode NORMAL or NONE"
+            )
+        if "mha_sliding" in kinds:
+            raise ValueError(
+                'attn_soft_cap and sliding_window do not apply to attn_kind "mha_sliding" layers '
+                "(TVM's kernels run those): mark windowed layers with windowed_sm_scale instead"
+            )
+    score_opts = {"soft_cap": float(attn_soft_cap), "sliding_window": int(sliding_window)}
+    ScoreOptions(**score_opts)  # checks the values
+    if not ours:
         return TIRPagedKVCache(
             attn_kind=attn_kind,
             max_batch_size=max_batch_size,
@@ -877,7 +1176,7 @@ def create_paged_kv_cache_cpu(
             layer_sliding_window_size=layer_sliding_window_size,
         )
 
-    rope_scaling = _kv._prepare_yarn_rope_scaling(rope_scaling, rope_theta)
+    rope_scaling = tvm_private.prepare_yarn_rope_scaling(rope_scaling, rope_theta)
     h_q, h_kv, d = num_attention_heads, num_key_value_heads, qk_head_dim
     ps = KERNEL_PAGE_SIZE
     bb = rx.BlockBuilder.current()
@@ -889,7 +1188,7 @@ def create_paged_kv_cache_cpu(
         # attention kernels are passed as ("tirx", function)
         return rx.Tuple([tvm.ir.StringImm("tirx"), add(func, fname)])
 
-    kind_ids = [int(getattr(_kv.AttnKind, k.upper())) for k in kinds]
+    kind_ids = [int(getattr(AttnKind, k.upper())) for k in kinds]
     args = [
         rx.ShapeExpr(
             [
@@ -913,20 +1212,24 @@ def create_paged_kv_cache_cpu(
         rx.prim_value(rope_theta),
         rope_ext_factors,
         rx.op.zeros((), dtype),
-        add(_kv._kv_cache_transpose_append(h_kv, d, dtype), "kv_cache_transpose_append"),
-        add(_kv._kv_cache_transpose_append_mla(d, dtype), "kv_cache_transpose_append_mla"),
+        add(tvm_private.kv_cache_transpose_append(h_kv, d, dtype), "kv_cache_transpose_append"),
+        add(tvm_private.kv_cache_transpose_append_mla(d, dtype), "kv_cache_transpose_append_mla"),
         # ours
         tir_kernel(
-            attention_prefill_ragged_cpu(h_kv, h_q, d, v_head_dim, dtype),
+            attention_prefill_ragged_cpu(h_kv, h_q, d, v_head_dim, dtype, **score_opts),
             "tir_attention_prefill_ragged_cpu",
         ),
         tir_kernel(
-            attention_prefill_paged_cpu(h_kv, h_q, d, dtype, ps), "tir_attention_prefill_cpu"
+            attention_prefill_paged_cpu(h_kv, h_q, d, dtype, ps, **score_opts),
+            "tir_attention_prefill_cpu",
         ),
-        tir_kernel(attention_decode_paged_cpu(h_kv, h_q, d, dtype, ps), "tir_attention_decode_cpu"),
-        # TVM's: sliding window, tree attention
         tir_kernel(
-            _kv._attention_prefill_cpu(
+            attention_decode_paged_cpu(h_kv, h_q, d, dtype, ps, **score_opts),
+            "tir_attention_decode_cpu",
+        ),
+        # TVM's: sliding window (attn_kind "mha_sliding"), tree attention
+        tir_kernel(
+            tvm_private.attention_prefill_cpu(
                 h_kv,
                 h_q,
                 d,
@@ -938,15 +1241,15 @@ def create_paged_kv_cache_cpu(
             "tir_attention_prefill_cpu_sliding_window",
         ),
         tir_kernel(
-            _kv._attention_decode_cpu(h_kv, h_q, d, dtype, True, rope_scaling),
+            tvm_private.attention_decode_cpu(h_kv, h_q, d, dtype, True, rope_scaling),
             "tir_attention_decode_cpu_sliding_window",
         ),
         tir_kernel(
-            _kv.tree_attn_cpu(h_kv, h_q, d, dtype, rope_scaling),
+            tree_attn_cpu(h_kv, h_q, d, dtype, rope_scaling),
             "tir_attention_prefill_with_tree_mask_cpu",
         ),
         tir_kernel(
-            _kv.tree_attn_with_paged_kv_cache_cpu(h_kv, h_q, d, dtype, rope_scaling),
+            tree_attn_with_paged_kv_cache_cpu(h_kv, h_q, d, dtype, rope_scaling),
             "tir_attention_prefill_with_tree_mask_with_paged_kv_cache_cpu",
         ),
         rx.Tuple([]),  # no MLA prefill
@@ -955,18 +1258,25 @@ def create_paged_kv_cache_cpu(
         ),
         add(
             split_rotary_cpu(rope_theta, rope_scale, d, h_q, h_kv, dtype, rope_scaling, rotary_dim)
-            or _kv.llama_rope_with_position_map(
+            or llama_rope_with_position_map(
                 rope_theta, rope_scale, d, h_q, h_kv, dtype, rope_scaling, rotary_dim
             ),
             "tir_split_rotary",
         ),
-        add(_kv._copy_single_page_cpu(h_kv, page_size, d, dtype), "kv_cache_copy_single_page_cpu"),
-        add(_kv._kv_cache_debug_get_kv(num_hidden_layers, h_kv, d, dtype), "kv_cache_debug_get_kv"),
-        add(_kv._compact_kv_copy_cpu(h_kv, d, dtype), "kv_cache_compact_kv_copy_cpu"),
+        add(
+            tvm_private.copy_single_page_cpu(h_kv, page_size, d, dtype),
+            "kv_cache_copy_single_page_cpu",
+        ),
+        add(
+            tvm_private.kv_cache_debug_get_kv(num_hidden_layers, h_kv, d, dtype),
+            "kv_cache_debug_get_kv",
+        ),
+        add(tvm_private.compact_kv_copy_cpu(h_kv, d, dtype), "kv_cache_compact_kv_copy_cpu"),
     ]
-    return PagedKVCache(
-        _expr=rx.call_pure_packed(
+    return tvm_private.wrap_expr(
+        PagedKVCache,
+        rx.call_pure_packed(
             "vm.builtin.paged_attention_kv_cache_create", *args, ty_args=rx.AnyType()
         ),
-        _name=name,
+        name,
     )
