@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
+from localchat.engine.models.rwkv4 import state_bytes
 from localchat.engine.models.rwkv4_pth import prepare_pth_source
-from localchat.engine.models.rwkv4_state import state_bytes
 from localchat.engine.runtime import Model
 
 from fixtures import cache_dir, rwkv_package_dir
@@ -28,14 +28,15 @@ STEPS = 20
 
 
 def converted(src: Path, quant: str) -> Path:
-    """fixtures.converted, with compiled libraries dropped when the RWKV kernels changed (the
-    library key covers kernel sources, so stale libraries would only pile up in the cache)."""
+    """fixtures.converted, with compiled libraries dropped when the sources of RWKV-4's build
+    changed (the library key covers them, so stale libraries would only pile up in the cache)."""
     import hashlib
 
+    from localchat.engine.build.compile import build_sources
+
     out = _converted(src, quant)
-    engine = Path(__file__).resolve().parent.parent / "app" / "engine"
     h = hashlib.sha256()
-    for path in sorted((engine / "kernels").glob("*.py")) + [engine / "compile.py"]:
+    for path in build_sources("rwkv4"):
         h.update(path.read_bytes())
     marker = out / f".kernels-{h.hexdigest()[:12]}"
     if not marker.exists():

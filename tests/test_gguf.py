@@ -20,6 +20,11 @@ import numpy as np
 import pytest
 
 from localchat.engine.build import gguf as lg
+from localchat.engine.models.llama import (
+    GGUF_LAYER_TENSORS,
+    GGUF_TENSORS,
+    llama3_rope_from_freqs,
+)
 from localchat.errors import ModelConfigError, UnsupportedModelError
 
 from fixtures import cache_dir, converted, smollm2_gguf, smollm2_hf_dir
@@ -59,8 +64,10 @@ def gguf_path() -> Path:
 
 @pytest.fixture(scope="module")
 def imported(gguf_path: Path) -> Path:
-    """Our HF folder of the SmolLM2 GGUF, cached in the test cache by this importer's source."""
-    out = cache_dir() / f"smollm2-gguf-import-{_digest(ENGINE / 'gguf.py')}"
+    """Our HF folder of the SmolLM2 GGUF, cached in the test cache by this importer's source
+    (the reader and the Llama module's GGUF map)."""
+    sources = (ENGINE / "build" / "gguf.py", ENGINE / "models" / "llama.py")
+    out = cache_dir() / f"smollm2-gguf-import-{_digest(*sources)}"
     if not (out / "config.json").exists():
         tmp = Path(tempfile.mkdtemp(dir=cache_dir(), prefix=".gguf-import-"))
         lg.gguf_to_hf_folder(gguf_path, tmp)
@@ -177,14 +184,14 @@ def write_llama_gguf(hf_dir: Path, path: Path, qtype: str = "F32",
     w.add_bos_token_id(0)
     w.add_eos_token_id(1)
     w.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    names = {v: k for k, v in lg._GLOBAL_TENSORS.items()}
+    names = {v: k for k, v in GGUF_TENSORS.items()}
     for name, value in weights.items():
         if name in names:
             gname = names[name]
         else:
             _, _, i, *rest = name.split(".")
             part = ".".join(rest[:-1])
-            short = next(k for k, v in lg._LAYER_TENSORS.items() if v == part)
+            short = next(k for k, v in GGUF_LAYER_TENSORS.items() if v == part)
             gname = f"blk.{i}.{short}.{rest[-1]}"
         if gname.endswith("attn_q.weight"):
             value = llama_cpp_permute(value, heads)
@@ -320,9 +327,9 @@ def test_llama3_rope_is_recovered_from_rope_freqs() -> None:
     smooth = (8192 / wavelen - 1.0) / 3.0
     factors = np.where(wavelen < 8192 / 4, 1.0, np.where(
         wavelen > 8192, 32.0, 1 / ((1 - smooth) / 32.0 + smooth)))
-    assert lg._llama3_rope(factors.astype(np.float32), head_dim, theta, 131072) == expect
-    assert lg._llama3_rope(np.ones(32), head_dim, theta, 131072) == {}
-    assert lg._llama3_rope(np.linspace(1, 3, 32), head_dim, theta, 131072) is None
+    assert llama3_rope_from_freqs(factors.astype(np.float32), head_dim, theta, 131072) == expect
+    assert llama3_rope_from_freqs(np.ones(32), head_dim, theta, 131072) == {}
+    assert llama3_rope_from_freqs(np.linspace(1, 3, 32), head_dim, theta, 131072) is None
 
 
 def _gguf_with_architecture(path: Path, arch: str) -> Path:
@@ -427,6 +434,19 @@ def test_unsupported_or_broken_files_are_refused_before_conversion(tmp_path: Pat
     with pytest.raises(Exception) as err:
         lg.read_gguf(truncated)
     assert err.type.__module__.startswith("localchat"), err.value
+
+
+def test_each_gguf_architecture_of_the_registry_has_its_map(tmp_path: Path) -> None:
+    from localchat.engine.models import REGISTRY, gguf_architectures, gguf_map
+
+    assert "llama" in gguf_architectures()
+    for entry in REGISTRY:
+        for name in entry.gguf_architectures:
+            assert gguf_map(name) is entry.load().gguf is not None, name
+    assert gguf_map("gpt2") is None
+    gpt2 = _gguf_with_architecture(tmp_path / "gpt2.gguf", "gpt2")
+    with pytest.raises(UnsupportedModelError, match=r"GGUF import supports llama\b"):
+        lg.inspect_gguf(gpt2)
 
 
 # -- through the CLI -------------------------------------------------------------------------

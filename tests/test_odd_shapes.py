@@ -226,15 +226,17 @@ def test_gpu_dequantize_path_reads_only_real_columns() -> None:
 
     from localchat.engine.build.quantization import get_quant_mode
     from localchat.engine.device import cpu_target
-    from localchat.engine.models.layers import Embedding, Linear
+    from localchat.engine.models.layers import BuildContext, Embedding, Linear
 
     k, n, vocab = 344, 24, 11
     mode = get_quant_mode("q4f32_1")
+    # built as for a GPU (dequantize + matmul), compiled and run on the CPU
+    gpu = BuildContext(mode, tvm.target.Target({"kind": "cuda", "arch": "sm_80"}))
 
     class Net(nn.Module):
         def __init__(self) -> None:
-            self.proj = Linear(k, n, False, mode, "cuda")
-            self.emb = Embedding(vocab, k, mode, "cuda")
+            self.proj = Linear(k, n, False, gpu)
+            self.emb = Embedding(vocab, k, gpu)
 
         def forward(self, x: nn.Tensor, ids: nn.Tensor):
             return self.proj(x), self.emb(ids)

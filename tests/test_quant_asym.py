@@ -277,16 +277,18 @@ def test_gpu_dequantize_path_reads_only_real_columns() -> None:
     from tvm.relax.frontend import nn
 
     from localchat.engine.device import cpu_target
-    from localchat.engine.models.layers import Embedding, Linear
+    from localchat.engine.models.layers import BuildContext, Embedding, Linear
 
     k, n, vocab = 344, 24, 11
     mode = get_quant_mode("q4f32_asym")
+    # built as for a GPU (dequantize + matmul), compiled and run on the CPU
+    gpu = BuildContext(mode, tvm.target.Target({"kind": "cuda", "arch": "sm_80"}))
 
     class Net(nn.Module):
         def __init__(self) -> None:
-            self.proj = Linear(k, n, False, mode, "cuda")
-            self.head = Linear(k, vocab, False, mode, "cuda", head=True)
-            self.emb = Embedding(vocab, k, mode, "cuda")
+            self.proj = Linear(k, n, False, gpu)
+            self.head = Linear(k, vocab, False, gpu, head=True)
+            self.emb = Embedding(vocab, k, gpu)
 
         def forward(self, x: nn.Tensor, ids: nn.Tensor):
             return self.proj(x), self.head(x), self.emb(ids), self.emb.lm_head(x)

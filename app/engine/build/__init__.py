@@ -103,8 +103,8 @@ def inspect_gguf(path: Path) -> dict[str, Any]:
 
 def model_parts(model_dir: Path) -> tuple[Any, Any, Any]:
     """(architecture, model config, quantization mode) of a model directory."""
-    from localchat.engine.models import get_architecture
     from localchat.engine.build.quantization import get_quant_mode
+    from localchat.engine.models import get_architecture
 
     meta = md.read_config(model_dir)  # only these three keys matter; a pull may still be adding
     for key in ("architecture", "model_config", "quantization"):

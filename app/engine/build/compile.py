@@ -25,8 +25,8 @@ from tvm import relax
 from tvm.target import Target
 
 from localchat import model_dir as md
-from localchat.engine.models import Architecture
 from localchat.engine.build.quantization import QuantMode
+from localchat.engine.models import Architecture
 from localchat.errors import CompileError
 
 # Bump when kernels or the pass pipeline change in a way the key would not otherwise see.

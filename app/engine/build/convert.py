@@ -22,16 +22,16 @@ from typing import Any
 import numpy as np
 
 from localchat import model_dir as md
-from localchat.engine.models import Architecture, detect_architecture
 from localchat.engine.build.quantization import (
     QuantMode,
     get_quant_mode,
     quantize_q8,
     quantize_weight,
 )
+from localchat.engine.build.weights import WeightSource, open_weights
+from localchat.engine.models import Architecture, detect_architecture
 from localchat.engine.templates import load_chat_template
 from localchat.engine.tokenizer import WORLD_VOCAB_FILE, read_json
-from localchat.engine.build.weights import WeightSource, open_weights
 from localchat.errors import ModelConfigError, WeightsError
 
 TOKENIZER_FILES = (

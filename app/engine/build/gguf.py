@@ -1,9 +1,12 @@
-"""Import a GGUF file (Llama architecture) as an HF model folder that `convert_model` reads.
+"""Import a GGUF file as an HF model folder that `convert_model` reads.
 
-The weights are dequantized with the `gguf` package and written as one safetensors file, with the
-Q/K rows put back from llama.cpp's rope layout into HF's; config.json, the tokenizer
-(tokenizer.json built from the GGUF vocabulary and merges, giving llama.cpp's token ids) and the
-chat template come from the GGUF metadata.
+The reading is the same for every architecture; what differs is data each architecture declares
+in its module (`models.GgufMap`, found in the registry by the file's `general.architecture`): its
+tensor names, the rows llama.cpp reordered, and the config.json its metadata makes. The weights
+are dequantized with the `gguf` package and written as one safetensors file, with reordered rows
+put back into HF's order; config.json, the tokenizer (tokenizer.json built from the GGUF
+vocabulary and merges, giving llama.cpp's token ids) and the chat template come from the GGUF
+metadata.
 """
 
 from __future__ import annotations
@@ -20,31 +23,14 @@ from typing import Any
 
 import numpy as np
 
+from localchat.engine.models import GgufMap, gguf_architectures, gguf_map
 from localchat.errors import ModelConfigError, UnsupportedModelError, WeightsError
 
 GGUF_MAGIC = b"GGUF"
-SUPPORTED_ARCHITECTURES = ("llama",)
 Log = Callable[[str], None]
 
-# llama.cpp's tensor names -> HF Llama's (`{i}` is the layer index)
-_GLOBAL_TENSORS = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
+# llama.cpp's name of a block's tensor: blk.<layer>.<part>.<weight|bias>
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-_IGNORED_TENSORS = ("rope_freqs.weight",)  # folded into config.json's rope_scaling
 _ST_DTYPES = {"float32": ("F32", np.float32), "float16": ("F16", np.float16)}
 
 # llama.cpp's token types (tokenizer.ggml.token_type)
@@ -102,6 +88,15 @@ class GGUFFile:
     def arch_key(self, key: str, default: Any = None) -> Any:
         """An architecture-scoped key such as `llama.block_count`."""
         return self.metadata.get(f"{self.architecture}.{key}", default)
+
+    def tensor_shape(self, name: str) -> tuple[int, ...] | None:
+        """A tensor's shape, rows first (None: no such tensor)."""
+        t = self.tensors.get(name)
+        return None if t is None else t.shape
+
+    def tensor_values(self, name: str) -> np.ndarray:
+        """A tensor's values, dequantized to float32 in its shape."""
+        return _dequantize(self.tensors[name])
 
 
 def _field_value(field: Any) -> Any:
@@ -171,39 +166,17 @@ def exact_quantization(path: Path) -> str | None:
 
 
 # -- config ----------------------------------------------------------------------------------
-def _check_supported(gf: GGUFFile) -> None:
-    arch = gf.architecture
-    if arch not in SUPPORTED_ARCHITECTURES:
+def architecture_map(gf: GGUFFile) -> GgufMap:
+    """How to read this file, from the architecture that declares its `general.architecture`;
+    UnsupportedModelError naming it and the supported ones when none does."""
+    found = gguf_map(gf.architecture) if gf.architecture else None
+    if found is None:
         raise UnsupportedModelError(
-            f"{gf.path.name}: GGUF architecture {arch or 'unknown'!r} is not supported "
-            f"(GGUF import supports {', '.join(SUPPORTED_ARCHITECTURES)}; for others pull the "
-            f"HF repo instead)"
+            f"{gf.path.name}: GGUF architecture {gf.architecture or 'unknown'!r} is not "
+            f"supported (GGUF import supports {', '.join(gguf_architectures())}; for others "
+            f"pull the HF repo instead)"
         )
-
-
-def _llama3_rope(factors: np.ndarray, head_dim: int, theta: float,
-                 context: int) -> dict[str, Any] | None:
-    """Recover Llama 3.1-style rope scaling from the `rope_freqs` tensor llama.cpp stores.
-
-    llama.cpp keeps only the per-frequency divisors; the standard parameters that reproduce
-    them are returned, or None when none do.
-    """
-    factors = np.asarray(factors, dtype=np.float64)
-    if np.allclose(factors, 1.0):
-        return {}
-    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    wavelen = 2 * np.pi / inv_freq
-    factor = float(factors.max())
-    for low, high, original in ((1.0, 4.0, 8192), (1.0, 4.0, 4096), (1.0, 4.0, context)):
-        low_wl, high_wl = original / low, original / high
-        smooth = (original / wavelen - low) / (high - low)
-        expect = np.where(wavelen < high_wl, 1.0,
-                          np.where(wavelen > low_wl, factor,
-                                   1.0 / ((1 - smooth) / factor + smooth)))
-        if expect.shape == factors.shape and np.allclose(expect, factors, rtol=1e-3):
-            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
-                    "high_freq_factor": high, "original_max_position_embeddings": original}
-    return None
+    return found
 
 
 def _special_ids(gf: GGUFFile) -> dict[str, int]:
@@ -216,72 +189,21 @@ def _special_ids(gf: GGUFFile) -> dict[str, int]:
 
 
 def hf_config(gf: GGUFFile) -> dict[str, Any]:
-    """The HF config.json (Llama) described by a GGUF file's metadata and tensor shapes."""
-    _check_supported(gf)
-
-    def need(key: str) -> Any:
+    """The HF config.json described by a GGUF file's metadata and tensor shapes: the keys its
+    architecture's `GgufMap.config_keys` name, the vocabulary size (the token embedding's rows),
+    the rest from `GgufMap.config`, then the special token ids."""
+    gmap = architecture_map(gf)
+    read: dict[str, Any] = {}
+    for key, (hf_key, kind, default) in gmap.config_keys.items():
         value = gf.arch_key(key)
-        if value is None:
+        if value is None and default is None:
             raise ModelConfigError(f"{gf.path.name}: GGUF metadata has no {gf.architecture}.{key}")
-        return value
-
-    heads = int(need("attention.head_count"))
-    hidden = int(need("embedding_length"))
-    kv_heads = gf.arch_key("attention.head_count_kv", heads)
-    if isinstance(kv_heads, list):  # per-layer counts
-        if len(set(kv_heads)) != 1:
-            raise UnsupportedModelError(f"{gf.path.name}: per-layer KV head counts differ")
-        kv_heads = kv_heads[0]
-    head_dim = int(gf.arch_key("attention.key_length") or hidden // heads)
-    rotary = int(gf.arch_key("rope.dimension_count") or head_dim)
-    if rotary != head_dim:
-        raise UnsupportedModelError(
-            f"{gf.path.name}: partial rotary embedding ({rotary} of {head_dim} dims) is not "
-            f"supported"
-        )
-    embed = gf.tensors.get("token_embd.weight")
+        read[hf_key] = kind(value if value or default is None else default)
+    embed = gf.tensor_shape("token_embd.weight")
     if embed is None:
         raise WeightsError(f"{gf.path.name}: no token_embd.weight tensor")
-    theta = float(gf.arch_key("rope.freq_base") or 10000.0)
-    context = int(gf.arch_key("context_length") or 4096)
-    config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_act": "silu",
-        "hidden_size": hidden,
-        "intermediate_size": int(need("feed_forward_length")),
-        "num_hidden_layers": int(need("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(kv_heads),
-        "head_dim": head_dim,
-        "max_position_embeddings": context,
-        "rms_norm_eps": float(gf.arch_key("attention.layer_norm_rms_epsilon") or 1e-5),
-        "rope_theta": theta,
-        "vocab_size": int(embed.shape[0]),
-        "tie_word_embeddings": "output.weight" not in gf.tensors,
-        "attention_bias": "blk.0.attn_q.bias" in gf.tensors,
-        "mlp_bias": False,
-        "torch_dtype": "float32",
-    }
-    scaling_type = gf.arch_key("rope.scaling.type")
-    if "rope_freqs.weight" in gf.tensors:
-        from gguf import quants
-
-        t = gf.tensors["rope_freqs.weight"]
-        scaling = _llama3_rope(quants.dequantize(t.data, t.tensor_type), head_dim, theta, context)
-        if scaling is None:
-            raise UnsupportedModelError(
-                f"{gf.path.name}: its rope_freqs tensor matches no rope scaling localchat knows"
-            )
-        if scaling:
-            config["rope_scaling"] = scaling
-    elif scaling_type and scaling_type != "none":
-        factor = gf.arch_key("rope.scaling.factor")
-        scaling = {"rope_type": str(scaling_type), "factor": float(factor or 1.0)}
-        original = gf.arch_key("rope.scaling.original_context_length")
-        if original:
-            scaling["original_max_position_embeddings"] = int(original)
-        config["rope_scaling"] = scaling
+    read["vocab_size"] = int(embed[0])
+    config = {**read, **gmap.config(gf, read)}
     ids = _special_ids(gf)
     if "bos" in ids:
         config["bos_token_id"] = ids["bos"]
@@ -449,17 +371,19 @@ def build_tokenizer(meta: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
 
 
 # -- weights ---------------------------------------------------------------------------------
-def hf_tensor_name(name: str) -> str | None:
-    """The HF Llama name of a GGUF tensor; None for tensors the HF model does not have."""
-    if name in _GLOBAL_TENSORS:
-        return _GLOBAL_TENSORS[name]
-    if name in _IGNORED_TENSORS:
+def hf_tensor_name(name: str, gmap: GgufMap) -> str | None:
+    """The HF name of a GGUF tensor under `gmap`; None for tensors the HF model does not have."""
+    if name in gmap.tensors:
+        return gmap.tensors[name]
+    if name in gmap.ignored:
         return None
     match = _LAYER_RE.match(name)
-    if match and match.group(2) in _LAYER_TENSORS:
+    if match and match.group(2) in gmap.layer_tensors:
         i, part, kind = match.groups()
-        return f"model.layers.{i}.{_LAYER_TENSORS[part]}.{kind}"
-    raise UnsupportedModelError(f"unexpected tensor {name!r} in the GGUF file (not plain Llama)")
+        return f"{gmap.layer_prefix.format(i)}{gmap.layer_tensors[part]}.{kind}"
+    raise UnsupportedModelError(
+        f"unexpected tensor {name!r} in the GGUF file (not one its architecture has)"
+    )
 
 
 def unpermute_rope_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
@@ -470,7 +394,7 @@ def unpermute_rope_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
     return w.swapaxes(1, 2).reshape(weight.shape)
 
 
-def _dequantized(t: GGUFTensor, config: dict[str, Any]) -> np.ndarray:
+def _dequantize(t: GGUFTensor) -> np.ndarray:
     from gguf import quants
 
     try:
@@ -480,11 +404,15 @@ def _dequantized(t: GGUFTensor, config: dict[str, Any]) -> np.ndarray:
             f"tensor {t.name} has GGUF type {t.type_name}, which the gguf package cannot "
             f"dequantize"
         ) from None
-    value = np.asarray(value, dtype=np.float32).reshape(t.shape)
-    if t.name.endswith(("attn_q.weight", "attn_q.bias")):
-        value = unpermute_rope_rows(value, config["num_attention_heads"])
-    elif t.name.endswith(("attn_k.weight", "attn_k.bias")):
-        value = unpermute_rope_rows(value, config["num_key_value_heads"])
+    return np.asarray(value, dtype=np.float32).reshape(t.shape)
+
+
+def _hf_value(t: GGUFTensor, gmap: GgufMap, config: dict[str, Any]) -> np.ndarray:
+    """A tensor's values in HF's layout: dequantized, reordered rows put back."""
+    value = _dequantize(t)
+    match = _LAYER_RE.match(t.name)
+    if match and match.group(2) in gmap.permuted:
+        value = unpermute_rope_rows(value, config[gmap.permuted[match.group(2)]])
     return value
 
 
@@ -525,7 +453,7 @@ def _atomic_file(path: Path) -> Iterator[Path]:
 
 def gguf_to_hf_folder(path: Path, out_dir: Path, *, dtype: str = "float32",
                       log: Log | None = None) -> Path:
-    """Write an HF Llama folder for the GGUF file `path` into `out_dir` (created if needed).
+    """Write an HF model folder for the GGUF file `path` into `out_dir` (created if needed).
 
     `dtype` ("float32" or "float16") is the precision of the dequantized weights written; the
     folder has config.json, generation_config.json, model.safetensors, tokenizer.json,
@@ -534,26 +462,28 @@ def gguf_to_hf_folder(path: Path, out_dir: Path, *, dtype: str = "float32",
     if dtype not in _ST_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(_ST_DTYPES)}")
     gf = read_gguf(path)
+    gmap = architecture_map(gf)
     config = hf_config(gf)
     tokenizer, tok_config = build_tokenizer(gf.metadata)
     if tokenizer.get_vocab_size(with_added_tokens=True) > config["vocab_size"]:
         raise ModelConfigError(
             f"{gf.path.name}: the tokenizer has more tokens than the embedding has rows"
         )
-    tok_config["model_max_length"] = config["max_position_embeddings"]
+    if "max_position_embeddings" in config:
+        tok_config["model_max_length"] = config["max_position_embeddings"]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
     items = []
     for t in gf.tensors.values():
-        hf_name = hf_tensor_name(t.name)
+        hf_name = hf_tensor_name(t.name, gmap)
         if hf_name is not None:
             items.append((hf_name, t))
     if log:
         log(f"dequantizing {len(items)} GGUF tensors ({gf.path.name})")
     with _atomic_file(out_dir / "model.safetensors") as part:
         _write_safetensors(part, [(n, t.shape) for n, t in items], dtype,
-                           (_dequantized(t, config) for _, t in items))
+                           (_hf_value(t, gmap, config) for _, t in items))
 
     ids = _special_ids(gf)
     eos = [ids[k] for k in ("eos", "eot", "eom") if k in ids]

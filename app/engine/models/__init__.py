@@ -1,11 +1,14 @@
 """The registry of architectures: adding one is one module of this package (with a function
-`architecture(name) -> Architecture`) plus one `Entry` in `REGISTRY`, the only list of them."""
+`architecture(name) -> Architecture`) plus one `Entry` in `REGISTRY`, the only list of them.
+An architecture that llama.cpp's GGUF files hold also declares a `GgufMap` (its tensor names and
+config) and names the files' `general.architecture` values in its `Entry`."""
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -37,6 +40,52 @@ class ModelConfig(Protocol):
 CacheBytes = Callable[[Any, str, int, int], int]
 
 
+class GgufSource(Protocol):
+    """What an architecture's GGUF config reads of a file (`build.gguf.GGUFFile` is one)."""
+
+    path: Path
+
+    def arch_key(self, key: str, default: Any = None) -> Any:
+        """The metadata value `<general.architecture>.<key>` (e.g. `llama.block_count`)."""
+        ...
+
+    def tensor_shape(self, name: str) -> tuple[int, ...] | None:
+        """A tensor's shape, rows first (None: the file has no such tensor)."""
+        ...
+
+    def tensor_values(self, name: str) -> np.ndarray:
+        """A tensor's values, dequantized to float32."""
+        ...
+
+
+# A metadata key's HF config key, its type, and its default (None: the key is required); a
+# missing, zero or empty value takes the default.
+GgufKey = tuple[str, Callable[[Any], Any], Any]
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: hashable by identity, as Architecture needs
+class GgufMap:
+    """How an architecture reads llama.cpp's GGUF files, as data for `build.gguf`, which does
+    the reading: which tensor is which HF tensor, and the HF config.json the metadata makes.
+
+    `tensors` maps whole-model names (`output_norm.weight`); `layer_tensors` maps block tensors
+    by their name inside `blk.N.` without `.weight`/`.bias` (`attn_q` -> `self_attn.q_proj`),
+    placed under `layer_prefix` (formatted with N). `config_keys` maps metadata keys (after
+    `<general.architecture>.`) to HF keys; `config(file, read)` returns the rest of config.json
+    given what `config_keys` read. `permuted` names the layer tensors whose rows llama.cpp's
+    converter reordered for its rotary layout, with the HF config key of their head count.
+    `ignored` tensors have no HF tensor (their content is in the config, e.g. `rope_freqs`).
+    """
+
+    tensors: Mapping[str, str]
+    layer_tensors: Mapping[str, str]
+    config: Callable[[GgufSource, dict[str, Any]], dict[str, Any]]
+    config_keys: Mapping[str, GgufKey] = field(default_factory=dict)
+    layer_prefix: str = "model.layers.{}."
+    permuted: Mapping[str, str] = field(default_factory=dict)
+    ignored: tuple[str, ...] = ()
+
+
 @dataclass(frozen=True)
 class Architecture:
     """How to read, build and convert one architecture."""
@@ -50,18 +99,22 @@ class Architecture:
     cache_bytes: CacheBytes
     # built-in conversation template for checkpoints that ship no chat template of their own
     default_template: str | None = None
+    # how to read llama.cpp's GGUF files of it (None: they are not read)
+    gguf: GgufMap | None = None
 
 
 @dataclass(frozen=True)
 class Entry:
     """One architecture of the registry: its name (stored in converted models), the module of
-    this package that defines it (with a function `architecture(name) -> Architecture`), and the
-    HF `architectures` / `model_type` values that select it."""
+    this package that defines it (with a function `architecture(name) -> Architecture`), the
+    HF `architectures` / `model_type` values that select it, and the GGUF `general.architecture`
+    values it reads (its `Architecture.gguf` says how)."""
 
     name: str
     module: str
     hf_architectures: tuple[str, ...]
     model_types: tuple[str, ...]
+    gguf_architectures: tuple[str, ...] = ()
 
     def load(self) -> Architecture:
         # imported on use: the model modules import TVM, the registry's users often do not need it
@@ -75,6 +128,7 @@ REGISTRY: tuple[Entry, ...] = (
         "llama",
         ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"),
         ("llama", "mistral", "qwen2"),
+        gguf_architectures=("llama",),
     ),
     Entry("qwen3", "qwen3", ("Qwen3ForCausalLM",), ("qwen3",)),
     Entry("rwkv4", "rwkv4", ("RwkvForCausalLM",), ("rwkv",)),
@@ -104,3 +158,20 @@ def detect_architecture(hf_config: dict[str, Any]) -> Architecture:
     what = ", ".join(names) if names else f"model_type {model_type!r}"
     known = ", ".join(sorted(n for entry in REGISTRY for n in entry.hf_architectures))
     raise UnsupportedModelError(f"unsupported architecture {what} (supported: {known})")
+
+
+def gguf_architectures() -> tuple[str, ...]:
+    """The GGUF `general.architecture` values some architecture reads."""
+    return tuple(name for entry in REGISTRY for name in entry.gguf_architectures)
+
+
+def gguf_map(gguf_architecture: str) -> GgufMap | None:
+    """How to read a GGUF file of this `general.architecture`; None when no architecture does."""
+    for entry in REGISTRY:
+        if gguf_architecture in entry.gguf_architectures:
+            arch = entry.load()
+            if arch.gguf is None:
+                raise TypeError(f"architecture {entry.name!r} lists GGUF architecture "
+                                f"{gguf_architecture!r} but declares no GgufMap")
+            return arch.gguf
+    return None

@@ -240,8 +240,12 @@ def gated(gate_up: nn.Tensor, act: str, target_kind: str) -> nn.Tensor:
     """act(gate) * up for gate_up [..., 2F] = [gate | up], `act` one of GATES."""
     if act == "silu":
         return silu_mul(gate_up, target_kind)
-    gate, up = op.split(gate_up, 2, axis=-1)  # GELU-tanh: TVM's operator on every target
-    return op.gelu(gate, approximate="tanh") * up
+    if target_kind != "llvm":
+        gate, up = op.split(gate_up, 2, axis=-1)
+        return op.gelu(gate, approximate="tanh") * up
+    f = int(gate_up.shape[-1]) // 2
+    func = elementwise.gated_mul(f, str(gate_up.dtype), act)
+    return _rowwise(func, "gated_mul", gate_up, [], f)
 
 
 def silu_mul(gate_up: nn.Tensor, target_kind: str) -> nn.Tensor:

@@ -21,8 +21,13 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedK
 from tvm.target import Target
 
 from localchat.engine.build.quantization import QuantMode
-from localchat.engine.kernels.attention import create_paged_kv_cache_cpu
-from localchat.engine.models import Architecture
+from localchat.engine.kernels import elementwise
+from localchat.engine.kernels.attention import (
+    create_paged_kv_cache_cpu,
+    rotary_qkv_cpu,
+    windowed_sm_scale,
+)
+from localchat.engine.models import Architecture, GgufMap, GgufSource
 from localchat.engine.models.export import model_spec
 from localchat.engine.models.layers import (
     GATES,
@@ -81,6 +86,11 @@ class LlamaConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LlamaConfig:
         return cls(**data)
+
+    @property
+    def rope_per_layer(self) -> bool:
+        """Whether layers differ in rope (theta or none), so the model applies it itself."""
+        return bool(self.layer_rope_theta) or bool(self.rope_layers)
 
     def layer_options(self, layer_id: int) -> dict[str, Any]:
         """What differs between layers: the sliding window (0: full), the rope theta, and
@@ -153,12 +163,20 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any]]:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, ctx: BuildContext) -> None:
+    def __init__(self, cfg: LlamaConfig, ctx: BuildContext, layer_id: int = 0) -> None:
         self.num_q = cfg.num_attention_heads
         self.num_kv = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.scale = cfg.attn_scale or self.head_dim**-0.5
         self.qk_norm = cfg.qk_norm
+        layer = cfg.layer_options(layer_id)
+        # a windowed layer tells the CPU kernels by the sign of its scale (kernels.attention)
+        self.call_scale = windowed_sm_scale(self.scale) if layer["window"] and ctx.cpu \
+            else self.scale
+        # rope the cache cannot apply (per-layer theta, layers without it): applied here
+        self.own_rope = cfg.rope_per_layer and layer["rope"]
+        self.rope_theta, self.rope_scaling = layer["rope_theta"], cfg.rope_scaling
+        self.rotary_dim = cfg.rotary_dim or None
         qkv_out = (self.num_q + 2 * self.num_kv) * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, qkv_out, cfg.qkv_bias, ctx)
         self.o_proj = Linear(self.num_q * self.head_dim, cfg.hidden_size, cfg.o_bias, ctx)
@@ -183,13 +201,24 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return op.concat([q, k, v], dim=-1)
 
+    def _rotated(self, qkv: nn.Tensor, cache: PagedKVCache) -> nn.Tensor:
+        """q and k rotated by this layer's own rope (a cache without rope: per-layer theta)."""
+        b, s, heads, d = qkv.shape
+        func = rotary_qkv_cpu(self.rope_theta, 1.0, d, self.num_q, self.num_kv, str(qkv.dtype),
+                              self.rope_scaling or None, self.rotary_dim)
+        positions = cache.get_query_positions(b * s)
+        return op.tensor_ir_op(func, "rotary_qkv", args=[qkv, positions],
+                               out=nn.Tensor.placeholder(qkv.shape, qkv.dtype))
+
     def forward(self, x: nn.Tensor, cache: PagedKVCache, layer_id: int, gemv: bool) -> nn.Tensor:
         b, s, _ = x.shape
         qkv = self.qkv_proj(x, gemv)
         if self.qk_norm:
             qkv = self._normed_qkv(qkv)
         qkv = op.reshape(qkv, (b, s, self.num_q + 2 * self.num_kv, self.head_dim))
-        out = cache.attention_with_fused_qkv(layer_id, qkv, self.num_q, sm_scale=self.scale)
+        if self.own_rope:
+            qkv = self._rotated(qkv, cache)
+        out = cache.attention_with_fused_qkv(layer_id, qkv, self.num_q, sm_scale=self.call_scale)
         return self.o_proj(op.reshape(out, (b, s, self.num_q * self.head_dim)), gemv)
 
 
@@ -214,14 +243,14 @@ class LlamaDecoderLayer(nn.Module):
     each branch ("pre", Llama), before and after ("sandwich", Gemma), after only ("post",
     OLMo 2). Parameter names follow HF's for each placement."""
 
-    def __init__(self, cfg: LlamaConfig, ctx: BuildContext) -> None:
+    def __init__(self, cfg: LlamaConfig, ctx: BuildContext, layer_id: int = 0) -> None:
         eps, h = cfg.rms_norm_eps, cfg.hidden_size
         self.norms = cfg.norms
         if cfg.norms not in ("pre", "sandwich", "post"):
             raise UnsupportedModelError(f"norms {cfg.norms!r} is not supported")
         if cfg.norms in ("pre", "sandwich"):
             self.input_layernorm = RMSNorm(h, eps, ctx)
-        self.self_attn = LlamaAttention(cfg, ctx)
+        self.self_attn = LlamaAttention(cfg, ctx, layer_id)
         # Llama's post_attention_layernorm is the MLP's pre-norm; in Gemma and OLMo 2 it
         # normalizes the attention's output
         self.post_attention_layernorm = RMSNorm(h, eps, ctx)
@@ -245,7 +274,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig, ctx: BuildContext) -> None:
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, ctx)
         self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(cfg, ctx) for _ in range(cfg.num_hidden_layers)]
+            [LlamaDecoderLayer(cfg, ctx, i) for i in range(cfg.num_hidden_layers)]
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx)
 
@@ -277,7 +306,13 @@ class LlamaForCausalLM(nn.Module):
             logits = self.lm_head(h, gemv=True)  # logits: a few rows, always the same kernel
         logits = logits.astype("float32") if logits.dtype != "float32" else logits
         cap = self.cfg.final_softcap
-        return op.tanh(logits / cap) * cap if cap else logits
+        if not cap:
+            return logits
+        if self.target.kind.name != "llvm":
+            return op.tanh(logits / cap) * cap
+        func = elementwise.soft_cap(self.cfg.vocab_size, cap, "float32", ndim=len(logits.shape))
+        return op.tensor_ir_op(func, "soft_cap", args=[logits],
+                               out=nn.Tensor.placeholder(logits.shape, "float32"))
 
     def embed(self, input_ids: nn.Tensor) -> nn.Tensor:
         x = self.model.embed_tokens(input_ids)
@@ -319,10 +354,28 @@ class LlamaForCausalLM(nn.Module):
         support_sliding_window: int,
     ) -> PagedKVCache:
         cfg = self.cfg
+        cpu = self.target.kind.name == "llvm"
         # On the CPU, TVM's attention kernels are serial loop nests; ours are scheduled.
-        make = create_paged_kv_cache_cpu if self.target.kind.name == "llvm" else TIRPagedKVCache
+        make = create_paged_kv_cache_cpu if cpu else TIRPagedKVCache
+        options: dict[str, Any] = {}
+        attn_kind: Any = "mha"
+        if cfg.sliding_window and cpu:
+            options["sliding_window"] = cfg.sliding_window
+        elif cfg.sliding_window:  # TVM's kernels: a window per layer kind
+            attn_kind = ["mha_sliding" if cfg.layer_options(i)["window"] else "mha"
+                         for i in range(cfg.num_hidden_layers)]
+            options["layer_sliding_window_size"] = cfg.sliding_window
+        if cfg.attn_softcap:
+            if not cpu:
+                raise UnsupportedModelError(
+                    "attention soft-capping runs on the CPU kernels only (TVM 0.27's GPU "
+                    "attention has no soft-cap)")
+            options["attn_soft_cap"] = cfg.attn_softcap
+        if cfg.rope_per_layer and not cpu:
+            raise UnsupportedModelError(
+                "per-layer rope (theta or none) runs on the CPU kernels only for now")
         return make(
-            attn_kind="mha",
+            attn_kind=attn_kind,
             max_batch_size=max_batch_size,
             max_total_seq_len=max_total_seq_len,
             prefill_chunk_size=prefill_chunk_size,
@@ -336,15 +389,16 @@ class LlamaForCausalLM(nn.Module):
             v_head_dim=cfg.head_dim,
             mla_original_qk_head_dim=0,
             mla_original_v_head_dim=0,
-            rope_mode=RopeMode.NORMAL,
+            rope_mode=RopeMode.NONE if cfg.rope_per_layer else RopeMode.NORMAL,
             rope_scale=1,
             rope_theta=cfg.rope_theta,
             rope_scaling=cfg.rope_scaling,
             rope_ext_factors=relax.prim_value(0),
-            rotary_dim=cfg.head_dim,
+            rotary_dim=cfg.rotary_dim or cfg.head_dim,
             enable_disaggregation=False,
             dtype=self.mode.dtype,
             target=self.target,
+            **options,
         )
 
     def get_default_spec(self) -> nn.spec.ModuleSpec:
@@ -414,4 +468,118 @@ def architecture(name: str) -> Architecture:
         build=LlamaForCausalLM,
         hf_params=hf_params,
         cache_bytes=kv_cache_bytes,
+        gguf=GGUF,
     )
+
+
+# ------------------------------------------------------------------------------------------------
+# llama.cpp's GGUF files of the family (general.architecture "llama"), read by `build.gguf`
+# ------------------------------------------------------------------------------------------------
+
+GGUF_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+GGUF_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+GGUF_CONFIG_KEYS = {
+    "embedding_length": ("hidden_size", int, None),
+    "feed_forward_length": ("intermediate_size", int, None),
+    "block_count": ("num_hidden_layers", int, None),
+    "attention.head_count": ("num_attention_heads", int, None),
+    "context_length": ("max_position_embeddings", int, 4096),
+    "attention.layer_norm_rms_epsilon": ("rms_norm_eps", float, 1e-5),
+    "rope.freq_base": ("rope_theta", float, 10000.0),
+}
+
+
+def llama3_rope_from_freqs(factors: np.ndarray, head_dim: int, theta: float,
+                           context: int) -> dict[str, Any] | None:
+    """Llama 3.1-style rope scaling from the `rope_freqs` tensor llama.cpp stores: it keeps only
+    the per-frequency divisors, so the standard parameters that reproduce them are returned
+    ({} for no scaling), or None when none do."""
+    factors = np.asarray(factors, dtype=np.float64)
+    if np.allclose(factors, 1.0):
+        return {}
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / inv_freq
+    factor = float(factors.max())
+    for low, high, original in ((1.0, 4.0, 8192), (1.0, 4.0, 4096), (1.0, 4.0, context)):
+        low_wl, high_wl = original / low, original / high
+        smooth = (original / wavelen - low) / (high - low)
+        expect = np.where(wavelen < high_wl, 1.0,
+                          np.where(wavelen > low_wl, factor,
+                                   1.0 / ((1 - smooth) / factor + smooth)))
+        if expect.shape == factors.shape and np.allclose(expect, factors, rtol=1e-3):
+            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                    "high_freq_factor": high, "original_max_position_embeddings": original}
+    return None
+
+
+def gguf_config(gf: GgufSource, read: dict[str, Any]) -> dict[str, Any]:
+    """The rest of a Llama config.json from a GGUF file, given what GGUF_CONFIG_KEYS read: KV
+    heads, head_dim, tied head, q/k/v bias and rope scaling (from `rope_freqs` or the
+    `rope.scaling.*` keys)."""
+    heads, hidden = read["num_attention_heads"], read["hidden_size"]
+    kv_heads = gf.arch_key("attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):  # per-layer counts
+        if len(set(kv_heads)) != 1:
+            raise UnsupportedModelError(f"{gf.path.name}: per-layer KV head counts differ")
+        kv_heads = kv_heads[0]
+    head_dim = int(gf.arch_key("attention.key_length") or hidden // heads)
+    rotary = int(gf.arch_key("rope.dimension_count") or head_dim)
+    if rotary != head_dim:
+        raise UnsupportedModelError(
+            f"{gf.path.name}: partial rotary embedding ({rotary} of {head_dim} dims) is not "
+            f"supported"
+        )
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "num_key_value_heads": int(kv_heads),
+        "head_dim": head_dim,
+        "tie_word_embeddings": gf.tensor_shape("output.weight") is None,
+        "attention_bias": gf.tensor_shape("blk.0.attn_q.bias") is not None,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
+    }
+    scaling_type = gf.arch_key("rope.scaling.type")
+    if gf.tensor_shape("rope_freqs.weight") is not None:
+        scaling = llama3_rope_from_freqs(gf.tensor_values("rope_freqs.weight"), head_dim,
+                                         read["rope_theta"], read["max_position_embeddings"])
+        if scaling is None:
+            raise UnsupportedModelError(
+                f"{gf.path.name}: its rope_freqs tensor matches no rope scaling localchat knows"
+            )
+        if scaling:
+            config["rope_scaling"] = scaling
+    elif scaling_type and scaling_type != "none":
+        factor = gf.arch_key("rope.scaling.factor")
+        scaling = {"rope_type": str(scaling_type), "factor": float(factor or 1.0)}
+        original = gf.arch_key("rope.scaling.original_context_length")
+        if original:
+            scaling["original_max_position_embeddings"] = int(original)
+        config["rope_scaling"] = scaling
+    return config
+
+
+GGUF = GgufMap(
+    tensors=GGUF_TENSORS,
+    layer_tensors=GGUF_LAYER_TENSORS,
+    config=gguf_config,
+    config_keys=GGUF_CONFIG_KEYS,
+    # llama.cpp's converter interleaves each head's q/k rows for its rotary layout
+    permuted={"attn_q": "num_attention_heads", "attn_k": "num_key_value_heads"},
+    ignored=("rope_freqs.weight",),  # folded into config.json's rope_scaling
+)

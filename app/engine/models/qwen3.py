@@ -18,4 +18,5 @@ def config_from_hf(hf: dict[str, Any]) -> llama.LlamaConfig:
 
 def architecture(name: str) -> Architecture:
     """The registry's view of this module: Llama's build and weights, Qwen3's config."""
-    return dataclasses.replace(llama.architecture(name), config_from_hf=config_from_hf)
+    return dataclasses.replace(llama.architecture(name), config_from_hf=config_from_hf,
+                               gguf=None)

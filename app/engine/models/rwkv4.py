@@ -1,17 +1,19 @@
-"""RWKV-4 (the World models among them) in `tvm.relax.frontend.nn`: its config, the model and
-its registry entry; the recurrent state lives in `rwkv4_state`, the checkpoint names in
-`rwkv4_weights`, BlinkDL `.pth` preparation in `rwkv4_pth`.
+"""RWKV-4 (the World models among them) in `tvm.relax.frontend.nn`: its config, its time-mix and
+channel-mix, the layout of its recurrent state and its registry entry. What every recurrent
+architecture shares (the sequences of a flat batch, token shift, the runtime's RNN-state object)
+is in `recurrent`; the checkpoint names in `rwkv4_weights`, BlinkDL `.pth` preparation in
+`rwkv4_pth`.
 
 Per block: LayerNorm -> time-mix -> residual, LayerNorm -> channel-mix -> residual; block 0's
 pre-LayerNorm on the embeddings is folded into the embedding table at conversion (it is a
 per-row function of the row), then a final LayerNorm and the head.
 
-Every exported function runs one code path on a flat list of tokens from B sequences (see
-`kernels.wkv`): prefill is B = 1, batch_prefill takes the sequence ends from `logit_positions`
-(the runtime passes the last position of each sequence), decode / batch_decode have one token per
-sequence. The recurrent state of each sequence lives in TVM's RNN-state object, five tensors per
-layer (`rwkv4_state`); x_prev is the LayerNorm output of the sequence's last token, as in
-transformers' RwkvForCausalLM.
+Every exported function runs one code path on a flat list of tokens from B sequences
+(`recurrent.Segments`): prefill is B = 1, batch_prefill takes the sequence ends from
+`logit_positions` (the runtime passes the last position of each sequence), decode / batch_decode
+have one token per sequence. The recurrent state of each sequence lives in TVM's RNN-state
+object, five vectors per layer (`state_layout`); x_prev is the LayerNorm output of the
+sequence's last token, as in transformers' RwkvForCausalLM.
 
 Numerics follow transformers' RwkvForCausalLM in eval mode: `time_decay` is stored as
 -exp(time_decay) (float32, like time_first, in every quantization mode); with rescale_every = R > 0
@@ -30,7 +32,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from tvm import te, tirx
+from tvm import tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 from tvm.target import Target
@@ -40,16 +42,15 @@ from localchat.engine.kernels import wkv
 from localchat.engine.models import Architecture
 from localchat.engine.models.export import model_spec
 from localchat.engine.models.layers import BuildContext, Embedding, Linear
-from localchat.engine.models.rwkv4_state import (
-    ATT_A,
-    ATT_B,
-    ATT_P,
-    ATT_X,
-    FFN_X,
+from localchat.engine.models.recurrent import (
     RnnState,
-    initial_values,
-    state_bytes,
+    Segments,
+    StateTensor,
+    decode_ends,
+    prefill_ends,
+    project,
 )
+from localchat.engine.models.recurrent import state_bytes as layout_bytes
 from localchat.engine.models.rwkv4_weights import hf_params
 from localchat.errors import ModelConfigError
 
@@ -103,52 +104,31 @@ class Rwkv4Config:
 
 
 # ------------------------------------------------------------------------------------------------
-# Graph helpers
+# The recurrent state
 # ------------------------------------------------------------------------------------------------
 
+STATE_INIT_P = -1.0e30  # "minus infinity" for the running max exponent, finite under subtraction
 
-def _segment_starts(ends: nn.Tensor, n: tirx.PrimExpr) -> nn.Tensor:
-    return op.tensor_expr_op(lambda e: wkv.segment_starts(e, n), "segment_starts", args=[ends])
-
-
-def _token_mix(x: nn.Tensor, prev: nn.Tensor, start_of: nn.Tensor, *mixes: nn.Tensor):
-    out = op.tensor_expr_op(wkv.token_mix, "token_mix", args=[x, prev, start_of, *mixes])
-    return out if isinstance(out, (list, tuple)) else [out]
+# State ids within a layer: time-mix x_prev, the WKV numerator a, denominator b and running max
+# exponent p (always float32), channel-mix x_prev.
+ATT_X, ATT_A, ATT_B, ATT_P, FFN_X = range(5)
 
 
-def _const_ends(x: nn.Tensor, kind: str) -> nn.Tensor:
-    """ends for a single prefill ([n - 1]) or a batched decode ([0, ..., B - 1])."""
-
-    def compute(t: te.Tensor) -> te.Tensor:
-        n = t.shape[0]
-        if kind == "prefill":
-            return te.compute((1,), lambda i: (n - 1 + i).astype("int32"), name="ends")
-        return te.compute((n,), lambda i: i.astype("int32"), name="ends")
-
-    return op.tensor_expr_op(compute, f"{kind}_ends", args=[x])
-
-
-def _project(lin: Linear, x: nn.Tensor, gemv: bool) -> nn.Tensor:
-    """lin(x) for x [rows, in]; with `gemv` (decode: a few rows) on the CPU, in the
-    matrix-vector kernels of `kernels.gemv` that unpack weights in registers."""
-    k, n = lin.in_features, lin.out_features
-    if lin.target_kind != "llvm":
-        # GPUs: dequantize + matmul scheduled by dlight, in the shapes the Llama family uses:
-        # [1, rows, k] for prefill, [rows, 1, k] for decode (dlight's Matmul rule segfaults in
-        # TVM 0.27 on a decode-sized dynamic row count in the middle axis)
-        rows = x.shape[0]
-        shape = (rows, 1, k) if gemv else (1, rows, k)
-        return op.reshape(lin(op.reshape(x, shape)), (rows, n))
-    return lin(x, gemv=gemv)
+def state_layout(cfg: Rwkv4Config, dtype: str) -> tuple[StateTensor, ...]:
+    """The state of one layer of a sequence, by state id (the same in every layer)."""
+    h, a = cfg.hidden_size, cfg.attention_hidden_size
+    return (
+        StateTensor((h,), dtype),
+        StateTensor((a,), "float32"),
+        StateTensor((a,), "float32"),
+        StateTensor((a,), "float32", STATE_INIT_P),
+        StateTensor((h,), dtype),
+    )
 
 
-def _take_rows(x: nn.Tensor, rows: nn.Tensor) -> nn.Tensor:
-    """x[rows] for int32 row ids that are in range by construction (the sequence ends)."""
-
-    def compute(t: te.Tensor, r: te.Tensor) -> te.Tensor:
-        return te.compute((r.shape[0], t.shape[1]), lambda i, j: t[r[i], j], name="take_rows")
-
-    return op.tensor_expr_op(compute, "take_rows", args=[x, rows])
+def state_bytes(cfg: Rwkv4Config, max_batch_size: int, dtype: str = "float32") -> int:
+    """Bytes of the recurrent state for `max_batch_size` sequences (one history slot each)."""
+    return layout_bytes(state_layout(cfg, dtype), cfg.num_hidden_layers, max_batch_size)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -172,23 +152,21 @@ class TimeMix(nn.Module):
         self.receptance = Linear(h, a, False, ctx)
         self.output = Linear(a, h, False, ctx)
 
-    def forward(self, xx, ends, start_of, state: RnnState, layer_id: int, batch, gemv: bool):
-        a, dt = self.attention_size, self.dtype
+    def forward(self, xx: nn.Tensor, seg: Segments, state: RnnState, layer_id: int):
+        a, dt, batch = self.attention_size, self.dtype, seg.batch
         prev = state.get(layer_id, ATT_X, batch, xx.shape[-1], dt)
         aa = state.get(layer_id, ATT_A, batch, a, "float32")
         bb = state.get(layer_id, ATT_B, batch, a, "float32")
         pp = state.get(layer_id, ATT_P, batch, a, "float32")
-        xk, xv, xr = _token_mix(
-            xx, prev, start_of, self.time_mix_k, self.time_mix_v, self.time_mix_r
-        )
-        k = _project(self.key, xk, gemv)
-        v = _project(self.value, xv, gemv)
-        r = op.sigmoid(_project(self.receptance, xr, gemv))
+        xk, xv, xr = seg.token_mix(xx, prev, self.time_mix_k, self.time_mix_v, self.time_mix_r)
+        k = seg.project(self.key, xk)
+        v = seg.project(self.value, xv)
+        r = op.sigmoid(seg.project(self.receptance, xr))
         n = xx.shape[0]
         y, aa, bb, pp = op.tensor_ir_op(
             wkv.wkv_scan(a, dt, self.gpu),
             "wkv_scan",
-            args=[k, v, self.time_decay, self.time_first, aa, bb, pp, ends],
+            args=[k, v, self.time_decay, self.time_first, aa, bb, pp, seg.ends],
             out=[
                 nn.Tensor.placeholder((n, a), dt),
                 nn.Tensor.placeholder((batch, a), "float32"),
@@ -196,11 +174,11 @@ class TimeMix(nn.Module):
                 nn.Tensor.placeholder((batch, a), "float32"),
             ],
         )
-        state = state.set(layer_id, ATT_X, _take_rows(xx, ends))
+        state = state.set(layer_id, ATT_X, seg.last_rows(xx))
         state = state.set(layer_id, ATT_A, aa)
         state = state.set(layer_id, ATT_B, bb)
         state = state.set(layer_id, ATT_P, pp)
-        return _project(self.output, r * y, gemv), state
+        return seg.project(self.output, r * y), state
 
 
 class ChannelMix(nn.Module):
@@ -213,13 +191,13 @@ class ChannelMix(nn.Module):
         self.receptance = Linear(h, h, False, ctx)
         self.value = Linear(f, h, False, ctx)
 
-    def forward(self, xx, ends, start_of, state: RnnState, layer_id: int, batch, gemv: bool):
-        prev = state.get(layer_id, FFN_X, batch, xx.shape[-1], self.dtype)
-        xk, xr = _token_mix(xx, prev, start_of, self.time_mix_k, self.time_mix_r)
-        k = op.square(op.relu(_project(self.key, xk, gemv)))
-        r = op.sigmoid(_project(self.receptance, xr, gemv))
-        state = state.set(layer_id, FFN_X, _take_rows(xx, ends))
-        return r * _project(self.value, k, gemv), state
+    def forward(self, xx: nn.Tensor, seg: Segments, state: RnnState, layer_id: int):
+        prev = state.get(layer_id, FFN_X, seg.batch, xx.shape[-1], self.dtype)
+        xk, xr = seg.token_mix(xx, prev, self.time_mix_k, self.time_mix_r)
+        k = op.square(op.relu(seg.project(self.key, xk)))
+        r = op.sigmoid(seg.project(self.receptance, xr))
+        state = state.set(layer_id, FFN_X, seg.last_rows(xx))
+        return r * seg.project(self.value, k), state
 
 
 class Block(nn.Module):
@@ -230,10 +208,10 @@ class Block(nn.Module):
         self.att = TimeMix(cfg, ctx)
         self.ffn = ChannelMix(cfg, ctx)
 
-    def forward(self, x, ends, start_of, state: RnnState, layer_id: int, batch, gemv: bool):
-        out, state = self.att(self.ln1(x), ends, start_of, state, layer_id, batch, gemv)
+    def forward(self, x: nn.Tensor, seg: Segments, state: RnnState, layer_id: int):
+        out, state = self.att(self.ln1(x), seg, state, layer_id)
         x = x + out
-        out, state = self.ffn(self.ln2(x), ends, start_of, state, layer_id, batch, gemv)
+        out, state = self.ffn(self.ln2(x), seg, state, layer_id)
         return x + out, state
 
 
@@ -254,15 +232,14 @@ class Rwkv4ForCausalLM(nn.Module):
     def _forward(self, x: nn.Tensor, ends: nn.Tensor, state: RnnState, gemv: bool = False):
         """x [n, h] holding B sequences ending at `ends` -> logits [B, vocab] (float32).
         `gemv`: one token per sequence (decode), so Linears run as matrix-vector products."""
-        batch = ends.shape[0]
-        start_of = _segment_starts(ends, x.shape[0])
+        seg = Segments.of(x, ends, gemv)
         every = self.cfg.rescale_every
         for i, block in enumerate(self.blocks):
-            x, state = block(x, ends, start_of, state, i, batch, gemv)
+            x, state = block(x, seg, state, i)
             if every > 0 and (i + 1) % every == 0:
                 x = x / 2.0
         # the head always sees one row per sequence
-        logits = _project(self.head, self.ln_out(_take_rows(x, ends)), True)
+        logits = project(self.head, self.ln_out(seg.last_rows(x)), True)
         if logits.dtype != "float32":
             logits = logits.astype("float32")
         return logits, state
@@ -271,11 +248,11 @@ class Rwkv4ForCausalLM(nn.Module):
         return self.embeddings(input_ids)
 
     def prefill(self, input_embed: nn.Tensor, rnn_state: RnnState):
-        logits, state = self._forward(input_embed, _const_ends(input_embed, "prefill"), rnn_state)
+        logits, state = self._forward(input_embed, prefill_ends(input_embed), rnn_state)
         return op.reshape(logits, (1, 1, self.cfg.vocab_size)), state
 
     def decode(self, input_embed: nn.Tensor, rnn_state: RnnState):
-        ends = _const_ends(input_embed, "decode")
+        ends = decode_ends(input_embed)
         logits, state = self._forward(input_embed, ends, rnn_state, gemv=True)
         return op.reshape(logits, (1, 1, self.cfg.vocab_size)), state
 
@@ -283,14 +260,14 @@ class Rwkv4ForCausalLM(nn.Module):
         return self._forward(input_embeds, logit_positions, rnn_state)
 
     def batch_decode(self, input_embeds: nn.Tensor, rnn_state: RnnState):
-        ends = _const_ends(input_embeds, "decode")
+        ends = decode_ends(input_embeds)
         return self._forward(input_embeds, ends, rnn_state, gemv=True)
 
     def create_rnn_state(self, max_batch_size: tirx.Var, max_history: tirx.Var) -> RnnState:
-        cfg = self.cfg
-        init = initial_values(cfg, self.mode.dtype)
+        layout = state_layout(self.cfg, self.mode.dtype)
         gpu = self.target.kind.name != "llvm"
-        return RnnState.create(max_batch_size, max_history, cfg.num_hidden_layers, init, gpu)
+        return RnnState.create(max_batch_size, max_history, self.cfg.num_hidden_layers, layout,
+                               gpu)
 
     def get_default_spec(self) -> nn.spec.ModuleSpec:
         return model_spec(self, hidden_size=self.cfg.hidden_size, dtype=self.mode.dtype,

@@ -1,0 +1,240 @@
+"""What every recurrent (RWKV-style) architecture shares: the sequences of a forward's flat token
+batch (`Segments`), the token shift, and the per-sequence state kept in TVM's RNN-state object
+(`RnnState`, of vectors or per-head matrices, laid out by `StateTensor`s).
+
+A forward runs on a flat list of tokens `x [n, channels]` holding B sequences back to back:
+`ends[b]` (int32) is the position of the last token of sequence b (see `kernels.wkv`). A prefill
+is B = 1, ends = [n - 1] (`prefill_ends`); a batched prefill takes the ends from its
+`logit_positions`; a decode has one token per sequence, ends = [0, ..., B - 1] (`decode_ends`).
+
+The state is one set of tensors per layer, the same set in every layer, each stored per sequence
+as a flat vector by `vm.builtin.rnn_state_*`; a matrix state ([heads, N, N]) is stored as its
+heads * N * N values and reshaped on the way in and out. The runtime object also does what the
+engine needs of a state: a fork copies a sequence's state (at its end only), and with
+`max_history` > 1 it keeps that many states per sequence, so `popn` can step back over up to
+max_history - 1 single-token forwards (a prefill of several tokens cannot be undone).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from tvm import relax as rx
+from tvm import te, tirx
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import op
+
+from localchat.engine.kernels import wkv
+from localchat.engine.models.layers import Linear
+
+# ------------------------------------------------------------------------------------------------
+# The sequences of a flat batch
+# ------------------------------------------------------------------------------------------------
+
+
+def segment_starts(ends: nn.Tensor, n: tirx.PrimExpr) -> nn.Tensor:
+    """Per token, the sequence it opens (int32 [n]), or -1 when it continues one."""
+    return op.tensor_expr_op(lambda e: wkv.segment_starts(e, n), "segment_starts", args=[ends])
+
+
+def _const_ends(x: nn.Tensor, kind: str) -> nn.Tensor:
+    def compute(t: te.Tensor) -> te.Tensor:
+        n = t.shape[0]
+        if kind == "prefill":
+            return te.compute((1,), lambda i: (n - 1 + i).astype("int32"), name="ends")
+        return te.compute((n,), lambda i: i.astype("int32"), name="ends")
+
+    return op.tensor_expr_op(compute, f"{kind}_ends", args=[x])
+
+
+def prefill_ends(x: nn.Tensor) -> nn.Tensor:
+    """The ends of a single prefill of x [n, h]: [n - 1]."""
+    return _const_ends(x, "prefill")
+
+
+def decode_ends(x: nn.Tensor) -> nn.Tensor:
+    """The ends of a batched decode of x [B, h] (one token per sequence): [0, ..., B - 1]."""
+    return _const_ends(x, "decode")
+
+
+def take_rows(x: nn.Tensor, rows: nn.Tensor) -> nn.Tensor:
+    """x[rows] for int32 row ids that are in range by construction (the sequence ends)."""
+
+    def compute(t: te.Tensor, r: te.Tensor) -> te.Tensor:
+        return te.compute((r.shape[0], t.shape[1]), lambda i, j: t[r[i], j], name="take_rows")
+
+    return op.tensor_expr_op(compute, "take_rows", args=[x, rows])
+
+
+def token_mix(x: nn.Tensor, prev: nn.Tensor, start_of: nn.Tensor,
+              *mixes: nn.Tensor) -> list[nn.Tensor]:
+    """For each mix m: x * m + shifted(x) * (1 - m), one fused kernel (`wkv.token_mix`);
+    shifted(x) is `token_shift`."""
+    out = op.tensor_expr_op(wkv.token_mix, "token_mix", args=[x, prev, start_of, *mixes])
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+def token_shift(x: nn.Tensor, prev: nn.Tensor, start_of: nn.Tensor) -> nn.Tensor:
+    """The previous token of every token, [n, h]: x[t - 1] within a sequence, and for the first
+    token of sequence b the state `prev[b]` (the last token its previous forward saw)."""
+
+    def compute(t: te.Tensor, p: te.Tensor, s: te.Tensor) -> te.Tensor:
+        def shifted(i, c):
+            b = s[i]
+            return tirx.if_then_else(b >= 0, p[tirx.max(b, 0), c], t[tirx.max(i - 1, 0), c])
+
+        return te.compute(t.shape, shifted, name="token_shift")
+
+    return op.tensor_expr_op(compute, "token_shift", args=[x, prev, start_of])
+
+
+def project(lin: Linear, x: nn.Tensor, gemv: bool) -> nn.Tensor:
+    """lin(x) for x [rows, in]; with `gemv` (decode: a few rows) on the CPU, in the
+    matrix-vector kernels of `kernels.gemv` that unpack weights in registers."""
+    k, n = lin.in_features, lin.out_features
+    if lin.target_kind != "llvm":
+        # GPUs: dequantize + matmul scheduled by dlight, in the shapes the Llama family uses:
+        # [1, rows, k] for prefill, [rows, 1, k] for decode (dlight's Matmul rule segfaults in
+        # TVM 0.27 on a decode-sized dynamic row count in the middle axis)
+        rows = x.shape[0]
+        shape = (rows, 1, k) if gemv else (1, rows, k)
+        return op.reshape(lin(op.reshape(x, shape)), (rows, n))
+    return lin(x, gemv=gemv)
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Where the B sequences of one forward lie in its flat tokens x [n, channels], and the
+    kind of step; a layer takes this instead of (ends, start_of, batch, gemv)."""
+
+    ends: nn.Tensor  # int32 [B]: the position of each sequence's last token
+    start_of: nn.Tensor  # int32 [n]: b for the token that opens sequence b, else -1
+    gemv: bool  # one token per sequence (decode): Linears run as matrix-vector products
+
+    @staticmethod
+    def of(x: nn.Tensor, ends: nn.Tensor, gemv: bool = False) -> Segments:
+        return Segments(ends, segment_starts(ends, x.shape[0]), gemv)
+
+    @property
+    def batch(self) -> tirx.PrimExpr:
+        """B, the number of sequences."""
+        return self.ends.shape[0]
+
+    def last_rows(self, x: nn.Tensor) -> nn.Tensor:
+        """Each sequence's last row of x [n, c]: [B, c] (what a token-shift state keeps)."""
+        return take_rows(x, self.ends)
+
+    def token_mix(self, x: nn.Tensor, prev: nn.Tensor, *mixes: nn.Tensor) -> list[nn.Tensor]:
+        """`token_mix` of x with the state `prev` [B, c]."""
+        return token_mix(x, prev, self.start_of, *mixes)
+
+    def token_shift(self, x: nn.Tensor, prev: nn.Tensor) -> nn.Tensor:
+        """`token_shift` of x with the state `prev` [B, c]."""
+        return token_shift(x, prev, self.start_of)
+
+    def project(self, lin: Linear, x: nn.Tensor) -> nn.Tensor:
+        """`project` in this step's kind (GEMV for a decode)."""
+        return project(lin, x, self.gemv)
+
+
+# ------------------------------------------------------------------------------------------------
+# The state
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StateTensor:
+    """One tensor of each layer's state, per sequence: its shape ((size,) for a vector,
+    (heads, N, N) for per-head matrices), dtype and the value every element starts at."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    init: float = 0.0
+
+    @property
+    def size(self) -> int:
+        """Elements per sequence (as stored: flat)."""
+        return math.prod(self.shape)
+
+    def initial(self) -> np.ndarray:
+        """The flat value of a new sequence."""
+        return np.full(self.size, self.init, self.dtype)
+
+
+def state_bytes(layout: Sequence[StateTensor], num_layers: int, max_batch_size: int,
+                max_history: int = 1) -> int:
+    """Bytes of the state of `max_batch_size` sequences, `max_history` slots each."""
+    per_layer = sum(t.size * np.dtype(t.dtype).itemsize for t in layout)
+    return per_layer * num_layers * max_batch_size * max_history
+
+
+class RnnState(nn.Object):
+    """TVM's runtime RNN state (`vm.builtin.rnn_state_*`) seen from the model: the state ids of
+    a layer are the positions of its `StateTensor`s in the layout given to `create`."""
+
+    @staticmethod
+    def create(
+        max_batch_size: tirx.Var,
+        max_history: tirx.Var,
+        num_layers: int,
+        layout: Sequence[StateTensor],
+        gpu: bool = False,
+    ) -> RnnState:
+        bb = rx.BlockBuilder.current()
+        f_gets, f_sets = [], []
+        for sid, tensor in enumerate(layout):
+            get = wkv.state_get(tensor.size, tensor.dtype, sid, gpu)
+            put = wkv.state_set(tensor.size, tensor.dtype, sid, gpu)
+            f_gets.append(bb.add_func(get, f"rnn_state_get_{sid}"))
+            f_sets.append(bb.add_func(put, f"rnn_state_set_{sid}"))
+        expr = rx.call_pure_packed(
+            "vm.builtin.rnn_state_create",
+            rx.prim_value(num_layers),
+            rx.prim_value(max_batch_size),
+            rx.prim_value(max_history),
+            rx.Tuple(f_gets),
+            rx.Tuple(f_sets),
+            rx.Tuple([rx.const(t.initial()) for t in layout]),
+            ty_args=[rx.ObjectType()],
+        )
+        return RnnState(_expr=expr, _name="rnn_state")
+
+    def get(self, layer_id: int, state_id: int, batch: tirx.PrimExpr,
+            shape: int | tuple[int, ...], dtype: str) -> nn.Tensor:
+        """State `state_id` of layer `layer_id` for the sequences of this forward: [B, size] for
+        a vector (`shape` = size), [B, *shape] for a matrix state such as (heads, N, N)."""
+        dims = (shape,) if isinstance(shape, int) else tuple(shape)
+        size = math.prod(dims)
+        bb = rx.BlockBuilder.current()
+        flat = nn.Tensor(
+            _expr=bb.emit(
+                rx.call_dps_packed(
+                    "vm.builtin.rnn_state_get",
+                    [self._expr, rx.prim_value(layer_id), rx.prim_value(state_id)],
+                    out_ty=rx.TensorType([batch, size], dtype),
+                )
+            )
+        )
+        return flat if len(dims) == 1 else op.reshape(flat, (batch, *dims))
+
+    def set(self, layer_id: int, state_id: int, value: nn.Tensor) -> RnnState:
+        """Store `value` ([B, size] or [B, *shape]) as the new state `state_id` of layer
+        `layer_id`; it becomes current when the runtime ends the forward."""
+        if value.ndim > 2:
+            batch, *dims = value.shape
+            value = op.reshape(value, (batch, math.prod(dims)))
+        bb = rx.BlockBuilder.current()
+        expr = bb.emit(
+            rx.call_pure_packed(
+                "vm.builtin.rnn_state_set",
+                self._expr,
+                rx.prim_value(layer_id),
+                rx.prim_value(state_id),
+                value._expr,
+                ty_args=[rx.ObjectType()],
+            )
+        )
+        return RnnState(_expr=expr, _name="rnn_state")
