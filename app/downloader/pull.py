@@ -485,7 +485,8 @@ class _Puller:
         errors = [str(cause)]
         for source in self.recipe.offline:
             try:
-                path = fetch_offline_source(source, self.store.downloads_dir / "offline", self.log)
+                path = fetch_offline_source(source, self.store.downloads_dir / "offline",
+                                            self.log, self.progress)
             except NetworkError as exc:
                 errors.append(str(exc))
                 continue
