@@ -92,6 +92,45 @@ ODD_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
             "tie_word_embeddings": True,
         },
     ),
+    "gemma2-odd": (  # GELU-tanh, sandwich norms (1 + w), scaled embeddings, soft-caps, a
+        # window shorter than the test's sequence on the first of two layers
+        "Gemma2Config",
+        {
+            "vocab_size": 1001,
+            "hidden_size": 72,
+            "intermediate_size": 344,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 3,
+            "num_key_value_heads": 1,
+            "head_dim": 48,
+            "query_pre_attn_scalar": 40,
+            "attn_logit_softcapping": 5.0,
+            "final_logit_softcapping": 10.0,
+            "sliding_window": 8,
+            "tie_word_embeddings": True,
+        },
+    ),
+    "gemma3-odd": (  # q/k norm (1 + w), local layers windowed with their own rope theta
+        "Gemma3TextConfig",
+        {
+            "vocab_size": 1001,
+            "hidden_size": 72,
+            "intermediate_size": 344,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 3,
+            "num_key_value_heads": 1,
+            "head_dim": 48,
+            "query_pre_attn_scalar": 40,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                   "rope_theta": 1000000.0},
+            },
+            "tie_word_embeddings": True,
+        },
+    ),
     "mistral-odd": (
         "MistralConfig",
         {
@@ -124,7 +163,8 @@ def build_variant(name: str) -> Path:
     if (out / "config.json").exists():
         return out
     config = getattr(transformers, cls_name)(**kwargs)
-    model_cls = getattr(transformers, cls_name.replace("Config", "ForCausalLM"))
+    model_cls = getattr(transformers, cls_name.replace("TextConfig", "Config")
+                        .replace("Config", "ForCausalLM"))
     torch.manual_seed(1234)
     model = model_cls(config).eval()
     if not config.tie_word_embeddings:

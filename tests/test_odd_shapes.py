@@ -34,12 +34,15 @@ import rwkv_variants
 from fixtures import converted
 from model_oracle import rel_err, run_teacher_forced
 
-ARCHS = ["llama-odd", "qwen2-odd", "mistral-odd", "qwen3-odd", "rwkv4-odd"]
+ARCHS = ["llama-odd", "qwen2-odd", "mistral-odd", "qwen3-odd", "gemma2-odd", "gemma3-odd",
+         "rwkv4-odd"]
 QUANTS = ["q0f32", "q4f32_1", "q4f32_asym"]
-# q4f32_asym on an untied and a tied Llama and on RWKV (Mistral's layers are Llama's: no new path;
-# Qwen3's q/k norm is a float path whatever the mode: q0f32 and q4f32_1 cover it)
-CASES = [(a, q) for q in QUANTS for a in ARCHS
-         if (a, q) not in (("mistral-odd", "q4f32_asym"), ("qwen3-odd", "q4f32_asym"))]
+# q4f32_asym on an untied and a tied Llama and on RWKV (Mistral's layers are Llama's: no new path);
+# the block's options (q/k norm, Gemma's) are float paths whatever the mode: Qwen3 at q0f32 and
+# q4f32_1, Gemma 2 and 3 at q0f32
+SKIP = {("mistral-odd", "q4f32_asym"), ("qwen3-odd", "q4f32_asym"),
+        *((g, q) for g in ("gemma2-odd", "gemma3-odd") for q in QUANTS[1:])}
+CASES = [(a, q) for q in QUANTS for a in ARCHS if (a, q) not in SKIP]
 PROMPT = [int(t) for t in np.random.RandomState(11).randint(0, 999, 20)]
 STEPS = 8
 
@@ -97,7 +100,8 @@ def reference(arch: str, quant: str) -> tuple[list[int], list[np.ndarray]]:
     """transformers' greedy continuation of PROMPT and the logits before each token."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(source(arch), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(source(arch), dtype=torch.float32,
+                                              attn_implementation="eager").eval()
     if quant != "q0f32":
         _quantize_like_convert(hf, arch, quant)
     with torch.no_grad():

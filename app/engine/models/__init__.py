@@ -131,6 +131,8 @@ REGISTRY: tuple[Entry, ...] = (
         gguf_architectures=("llama",),
     ),
     Entry("qwen3", "qwen3", ("Qwen3ForCausalLM",), ("qwen3",)),
+    Entry("gemma2", "gemma", ("Gemma2ForCausalLM",), ("gemma2",)),
+    Entry("gemma3", "gemma", ("Gemma3ForCausalLM",), ("gemma3_text",)),
     Entry("rwkv4", "rwkv4", ("RwkvForCausalLM",), ("rwkv",)),
 )
 

@@ -78,6 +78,7 @@ class LlamaConfig:
     sliding_layers: list[int] = dataclasses.field(default_factory=list)  # 1: windowed layer
     rotary_dim: int = 0  # rotated width of each head; 0: all of it
     layer_rope_theta: list[float] = dataclasses.field(default_factory=list)  # per layer
+    layer_rope_scale: list[float] = dataclasses.field(default_factory=list)  # positions x this
     rope_layers: list[int] = dataclasses.field(default_factory=list)  # 0: no rotary there
 
     def to_dict(self) -> dict[str, Any]:
@@ -100,6 +101,7 @@ class LlamaConfig:
             "window": self.sliding_window if windowed else 0,
             "rope_theta": (self.layer_rope_theta[layer_id] if self.layer_rope_theta
                            else self.rope_theta),
+            "rope_scale": self.layer_rope_scale[layer_id] if self.layer_rope_scale else 1.0,
             "rope": not self.rope_layers or bool(self.rope_layers[layer_id]),
         }
 
@@ -176,6 +178,7 @@ class LlamaAttention(nn.Module):
         # rope the cache cannot apply (per-layer theta, layers without it): applied here
         self.own_rope = cfg.rope_per_layer and layer["rope"]
         self.rope_theta, self.rope_scaling = layer["rope_theta"], cfg.rope_scaling
+        self.rope_scale = layer["rope_scale"]
         self.rotary_dim = cfg.rotary_dim or None
         qkv_out = (self.num_q + 2 * self.num_kv) * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, qkv_out, cfg.qkv_bias, ctx)
@@ -203,9 +206,10 @@ class LlamaAttention(nn.Module):
 
     def _rotated(self, qkv: nn.Tensor, cache: PagedKVCache) -> nn.Tensor:
         """q and k rotated by this layer's own rope (a cache without rope: per-layer theta)."""
-        b, s, heads, d = qkv.shape
-        func = rotary_qkv_cpu(self.rope_theta, 1.0, d, self.num_q, self.num_kv, str(qkv.dtype),
-                              self.rope_scaling or None, self.rotary_dim)
+        b, s = qkv.shape[0], qkv.shape[1]
+        func = rotary_qkv_cpu(self.rope_theta, self.rope_scale, self.head_dim, self.num_q,
+                              self.num_kv, str(qkv.dtype), self.rope_scaling or None,
+                              self.rotary_dim)
         positions = cache.get_query_positions(b * s)
         return op.tensor_ir_op(func, "rotary_qkv", args=[qkv, positions],
                                out=nn.Tensor.placeholder(qkv.shape, qkv.dtype))

@@ -1,0 +1,102 @@
+"""Gemma 2 and Gemma 3 (text): configurations of the shared decoder block of `llama`.
+
+Both: GELU-tanh gate, RMSNorm weights used as (1 + w), norms before and after each branch,
+embeddings times sqrt(hidden), attention scale query_pre_attn_scalar ** -0.5, a tied head, a
+sliding window on the layers HF's `layer_types` marks "sliding_attention". Gemma 2 soft-caps
+attention scores (50) and the final logits (30); Gemma 3 has per-head q/k norm instead and its
+local and global layers rotate with their own theta (and scaling).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from localchat.engine.models import Architecture, llama
+from localchat.errors import UnsupportedModelError
+
+SLIDING = "sliding_attention"
+
+
+def _layer_types(hf: dict[str, Any], pattern: int) -> list[str]:
+    """HF's layer_types, or the published pattern (every `pattern`-th layer global)."""
+    types = hf.get("layer_types")
+    if types:
+        return list(types)
+    n = int(hf["num_hidden_layers"])
+    return [SLIDING if (i + 1) % pattern else "full_attention" for i in range(n)]
+
+
+def _common(hf: dict[str, Any], pattern: int) -> llama.LlamaConfig:
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise UnsupportedModelError(f"hidden_activation {act!r} is not supported "
+                                    f"(Gemma uses gelu_pytorch_tanh)")
+    # Llama's reader for the shared fields; Gemma's own options below
+    base = llama.LlamaConfig.from_hf({**hf, "hidden_act": "silu",
+                                      "tie_word_embeddings": hf.get("tie_word_embeddings", True)})
+    types = _layer_types(hf, pattern)
+    window = int(hf.get("sliding_window") or 0)
+    return dataclasses.replace(
+        base,
+        hidden_act="gelu_tanh",
+        norms="sandwich",
+        norm_offset=1.0,
+        embed_scale=math.sqrt(base.hidden_size),
+        attn_scale=float(hf.get("query_pre_attn_scalar") or base.head_dim) ** -0.5,
+        sliding_window=window,
+        sliding_layers=[int(t == SLIDING) for t in types] if window else [],
+    )
+
+
+def gemma2_config(hf: dict[str, Any]) -> llama.LlamaConfig:
+    """Read a Gemma 2 config.json (every other layer windowed, from the first)."""
+    return dataclasses.replace(
+        _common(hf, pattern=2),
+        attn_softcap=float(hf.get("attn_logit_softcapping") or 0.0),
+        final_softcap=float(hf.get("final_logit_softcapping") or 0.0),
+    )
+
+
+def _rope(params: dict[str, Any], default_theta: float) -> tuple[float, float]:
+    """(theta, position scale) of one layer type's rope parameters (linear scaling only)."""
+    kind = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta", default_theta))
+    if kind == "default":
+        return theta, 1.0
+    if kind == "linear":
+        return theta, 1.0 / float(params["factor"])
+    raise UnsupportedModelError(f"Gemma 3 rope type {kind!r} is not supported")
+
+
+def gemma3_config(hf: dict[str, Any]) -> llama.LlamaConfig:
+    """Read a Gemma 3 text config.json (five local layers to one global one), also the text
+    model inside a Gemma3ForConditionalGeneration checkpoint (`text_config`)."""
+    hf = {**hf.get("text_config", {}), **{k: v for k, v in hf.items() if k != "text_config"}} \
+        if "text_config" in hf else hf
+    cfg = _common(hf, pattern=6)
+    params = hf.get("rope_parameters") or {}
+    if SLIDING in params:  # transformers 5: per layer type
+        local = _rope(params[SLIDING], 10_000.0)
+        glob = _rope(params.get("full_attention", {}), 1_000_000.0)
+    else:  # older configs: rope_theta (+ rope_scaling) for global, rope_local_base_freq local
+        local = (float(hf.get("rope_local_base_freq", 10_000.0)), 1.0)
+        glob = _rope({"rope_theta": hf.get("rope_theta", 1_000_000.0),
+                      **(hf.get("rope_scaling") or {})}, 1_000_000.0)
+    types = _layer_types(hf, pattern=6)
+    ropes = [local if t == SLIDING else glob for t in types]
+    return dataclasses.replace(
+        cfg,
+        qk_norm="head",
+        rope_theta=glob[0],
+        rope_scaling={},
+        layer_rope_theta=[theta for theta, _ in ropes],
+        layer_rope_scale=[scale for _, scale in ropes],
+    )
+
+
+def architecture(name: str) -> Architecture:
+    """The registry's view of this module: Llama's build and weights, Gemma's configs."""
+    read = {"gemma2": gemma2_config, "gemma3": gemma3_config}[name]
+    return dataclasses.replace(llama.architecture(name), config_from_hf=read, gguf=None)
