@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from localchat.engine.build.compile import build_sources, library_key
@@ -66,3 +67,70 @@ def test_a_new_architecture_module_leaves_the_other_library_keys_alone(
         assert "rwkv4.py" not in {p.name for p in build_sources("llama")}
     finally:
         probe.unlink()
+
+
+def _rope_reference(x: np.ndarray, pos: np.ndarray, theta: float, scale: float, nqk: int,
+                    rd: int) -> np.ndarray:
+    """HF's rotate-half on the first `rd` of each of the first `nqk` heads, in float64."""
+    out = x.astype(np.float64).copy()
+    half = rd // 2
+    inv = theta ** (-np.arange(half) * 2.0 / rd)
+    ang = (pos.reshape(x.shape[0], x.shape[1]) * scale)[..., None] * inv  # [b, s, half]
+    cos, sin = np.cos(ang)[:, :, None, :], np.sin(ang)[:, :, None, :]
+    a, b = x[:, :, :nqk, :half], x[:, :, :nqk, half:rd]
+    out[:, :, :nqk, :half] = a * cos - b * sin
+    out[:, :, :nqk, half:rd] = b * cos + a * sin
+    return out
+
+
+def test_the_gpu_form_of_per_layer_rope_equals_hf_rotate_half() -> None:
+    """`layers.rotary` (the tensor expression GPUs run for a layer with its own theta), built
+    and run on the CPU, against numpy: partial width, a position scale, v untouched."""
+    import tvm
+    from tvm import relax
+    from tvm.relax.frontend import nn
+
+    from localchat.engine.models.layers import rotary
+
+    b, s, nq, nkv, d, rd = 2, 5, 3, 1, 16, 12
+
+    class Net(nn.Module):
+        def forward(self, qkv: nn.Tensor, pos: nn.Tensor):
+            return rotary(qkv, pos, 10000.0, 0.25, nq, nkv, rd)
+
+    mod, _ = Net().export_tvm(spec={"forward": {
+        "qkv": nn.spec.Tensor([b, s, nq + 2 * nkv, d], "float32"),
+        "pos": nn.spec.Tensor([b * s], "int32"),
+        "$": {"param_mode": "none", "effect_mode": "none"}}})
+    vm = relax.VirtualMachine(tvm.compile(mod, target=cpu_target()), tvm.cpu())
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((b, s, nq + 2 * nkv, d)).astype(np.float32)
+    pos = np.concatenate([np.arange(7, 7 + s), np.arange(s)]).astype(np.int32)
+    got = vm["forward"](tvm.runtime.tensor(x, tvm.cpu()), tvm.runtime.tensor(pos, tvm.cpu()))
+    ref = _rope_reference(x, pos, 10000.0, 0.25, nq + nkv, rd)
+    np.testing.assert_allclose(got.numpy(), ref, atol=2e-5)
+
+
+def test_gemma_builds_for_a_gpu_with_what_tvm_has() -> None:
+    """Gemma 3 (per-layer rope, windows) exports for CUDA; Gemma 2's attention soft-cap, which
+    TVM's GPU attention lacks, is refused by name."""
+    from tvm.target import Target
+
+    from localchat.errors import UnsupportedModelError
+
+    cuda = Target({"kind": "cuda", "arch": "sm_90a", "max_threads_per_block": 1024,
+                   "max_shared_memory_per_block": 49152, "thread_warp_size": 32},
+                  host=cpu_target())
+    hf = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+          "vocab_size": 300, "max_position_embeddings": 128, "sliding_window": 8,
+          "layer_types": ["sliding_attention", "full_attention"]}
+    for name, extra in (("gemma3", {}), ("gemma2", {"attn_logit_softcapping": 50.0})):
+        arch = get_architecture(name)
+        model = arch.build(arch.config_from_hf({**hf, **extra}), get_quant_mode("q4f16_1"),
+                           cuda)
+        if name == "gemma3":
+            model.export_tvm(spec=model.get_default_spec())
+        else:
+            with pytest.raises(UnsupportedModelError, match="soft-cap"):
+                model.export_tvm(spec=model.get_default_spec())

@@ -299,6 +299,35 @@ class Embedding(nn.Module):
         )
 
 
+def rotary(qkv: nn.Tensor, positions: nn.Tensor, theta: float, scale: float, num_q: int,
+           num_kv: int, rotary_dim: int) -> nn.Tensor:
+    """Rotary embedding (HF's rotate-half) of the q and k heads of qkv [b, s, heads, d] at the
+    tokens' `positions` [b * s] times `scale`, on the first `rotary_dim` of each head; v and the
+    rest pass through. A plain tensor expression: the GPU path of a layer with its own theta
+    (the CPU runs `kernels.attention.rotary_qkv_cpu`)."""
+    half = rotary_dim // 2
+
+    def compute(x: te.Tensor, pos: te.Tensor) -> te.Tensor:
+        seq = x.shape[1]
+
+        def value(bi, si, h, j):
+            p = pos[bi * seq + si].astype("float32") * tirx.const(scale, "float32")
+            k = tirx.floormod(j, half).astype("float32")
+            freq = p / tirx.power(tirx.const(theta, "float32"),
+                                  k * tirx.const(2.0 / rotary_dim, "float32"))
+            cos, sin = tirx.cos(freq), tirx.sin(freq)
+            xv = x[bi, si, h, j].astype("float32")
+            partner = tirx.if_then_else(j < half, -x[bi, si, h, j + half].astype("float32"),
+                                        x[bi, si, h, j - half].astype("float32"))
+            rotated = xv * cos + partner * sin
+            keep = tirx.any(h >= num_q + num_kv, j >= rotary_dim)
+            return tirx.if_then_else(keep, x[bi, si, h, j], rotated.astype(x.dtype))
+
+        return te.compute(x.shape, value, name="rotary")
+
+    return op.tensor_expr_op(compute, "rotary", args=[qkv, positions])
+
+
 def take_last_token(x: nn.Tensor) -> nn.Tensor:
     """[b, s, h] -> [b, 1, h]: the last position, so only it goes through the LM head."""
 

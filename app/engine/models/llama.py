@@ -36,6 +36,7 @@ from localchat.engine.models.layers import (
     Linear,
     RMSNorm,
     gated,
+    rotary,
     take_last_token,
 )
 from localchat.errors import ModelConfigError, UnsupportedModelError
@@ -179,6 +180,7 @@ class LlamaAttention(nn.Module):
         self.own_rope = cfg.rope_per_layer and layer["rope"]
         self.rope_theta, self.rope_scaling = layer["rope_theta"], cfg.rope_scaling
         self.rope_scale = layer["rope_scale"]
+        self.cpu = ctx.cpu
         self.rotary_dim = cfg.rotary_dim or None
         qkv_out = (self.num_q + 2 * self.num_kv) * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, qkv_out, cfg.qkv_bias, ctx)
@@ -207,10 +209,16 @@ class LlamaAttention(nn.Module):
     def _rotated(self, qkv: nn.Tensor, cache: PagedKVCache) -> nn.Tensor:
         """q and k rotated by this layer's own rope (a cache without rope: per-layer theta)."""
         b, s = qkv.shape[0], qkv.shape[1]
+        positions = cache.get_query_positions(b * s)
+        if not self.cpu:
+            if self.rope_scaling:
+                raise UnsupportedModelError("per-layer rope with rope_scaling runs on the CPU "
+                                            "kernels only")
+            return rotary(qkv, positions, self.rope_theta, self.rope_scale, self.num_q,
+                          self.num_kv, self.rotary_dim or self.head_dim)
         func = rotary_qkv_cpu(self.rope_theta, self.rope_scale, self.head_dim, self.num_q,
                               self.num_kv, str(qkv.dtype), self.rope_scaling or None,
                               self.rotary_dim)
-        positions = cache.get_query_positions(b * s)
         return op.tensor_ir_op(func, "rotary_qkv", args=[qkv, positions],
                                out=nn.Tensor.placeholder(qkv.shape, qkv.dtype))
 
@@ -375,9 +383,6 @@ class LlamaForCausalLM(nn.Module):
                     "attention soft-capping runs on the CPU kernels only (TVM 0.27's GPU "
                     "attention has no soft-cap)")
             options["attn_soft_cap"] = cfg.attn_softcap
-        if cfg.rope_per_layer and not cpu:
-            raise UnsupportedModelError(
-                "per-layer rope (theta or none) runs on the CPU kernels only for now")
         return make(
             attn_kind=attn_kind,
             max_batch_size=max_batch_size,
