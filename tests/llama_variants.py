@@ -131,6 +131,35 @@ ODD_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
             "tie_word_embeddings": True,
         },
     ),
+    "olmo2-odd": (  # norms after each branch, q/k norm over the whole projection
+        "Olmo2Config",
+        {
+            "vocab_size": 1001,
+            "hidden_size": 72,
+            "intermediate_size": 344,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 3,
+            "num_key_value_heads": 1,
+            "head_dim": 48,
+        },
+    ),
+    "smollm3-odd": (  # the second of two layers without rotary embedding
+        "SmolLM3Config",
+        {
+            "vocab_size": 1001,
+            "hidden_size": 72,
+            "intermediate_size": 344,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 3,
+            "num_key_value_heads": 1,
+            "head_dim": 48,
+            "no_rope_layers": [1, 0],
+            "tie_word_embeddings": True,
+            "pad_token_id": 0,  # its defaults lie outside this vocabulary
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        },
+    ),
     "mistral-odd": (
         "MistralConfig",
         {

@@ -133,6 +133,8 @@ REGISTRY: tuple[Entry, ...] = (
     Entry("qwen3", "qwen3", ("Qwen3ForCausalLM",), ("qwen3",)),
     Entry("gemma2", "gemma", ("Gemma2ForCausalLM",), ("gemma2",)),
     Entry("gemma3", "gemma", ("Gemma3ForCausalLM",), ("gemma3_text",)),
+    Entry("olmo2", "olmo2", ("Olmo2ForCausalLM",), ("olmo2",)),
+    Entry("smollm3", "smollm3", ("SmolLM3ForCausalLM",), ("smollm3",)),
     Entry("rwkv4", "rwkv4", ("RwkvForCausalLM",), ("rwkv",)),
 )
 
