@@ -62,8 +62,9 @@ def listed(home: Path, **kw: object) -> dict[str, dict]:
 
 
 def reply(home: Path, ref: str, **kw: object) -> subprocess.CompletedProcess[str]:
+    """Four greedy tokens (the default samples), so a repaired model can be compared."""
     return localchat(home, "run", ref, "hello world", "--raw", "--json", "--max-tokens", "4",
-                     **kw)  # type: ignore[arg-type]
+                     "--temperature", "0", **kw)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
