@@ -293,6 +293,16 @@ class Store:
         model = self._default_among(self.find_all(name))
         return model.quantization if model is not None else None
 
+    def display_ref(self, model: StoredModel, stored: list[StoredModel] | None = None) -> str:
+        """The name users run `model` by, as a server lists it: the bare name for its name's
+        default quantization, `name:quant` for the others. `stored`: the store's models, when
+        the caller has listed them already (saves listing them again)."""
+        key = model.name.lower()
+        same = ([m for m in stored if m.name.lower() == key] if stored is not None
+                else self.find_all(model.name))
+        default = self._default_among(same)
+        return model.name if default is not None and default.path == model.path else model.ref
+
     def set_default(self, name: str, quantization: str) -> None:
         """Record `quantization` as what a bare `name` means (the model need not exist yet)."""
         path = self._default_file(name)

@@ -148,6 +148,19 @@ def test_default_moves_when_the_default_is_removed(store: Store) -> None:
     assert store.default_quantization("a") == "q0f32"
 
 
+def test_display_ref_is_the_bare_name_for_the_default_only(store: Store) -> None:
+    add_model(store, "org/model", "q4f16_1")
+    add_model(store, "org/model", "q0f32")
+    add_model(store, "b", "q4f32_1")
+    stored = store.models()
+    shown = [store.display_ref(m, stored) for m in stored]
+    assert shown == ["b", "org/model:q0f32", "org/model"]
+    assert shown == [store.display_ref(m) for m in stored]  # listing again gives the same
+    store.set_default("org/model", "q0f32")
+    assert [store.display_ref(m) for m in store.find_all("org/model")] == [
+        "org/model", "org/model:q4f16_1"]
+
+
 def test_remove_deletes_one_quantization_or_all(store: Store) -> None:
     add_model(store, "a", "q4f16_1")
     add_model(store, "a", "q0f32")

@@ -24,6 +24,7 @@ _STATUS_TYPES = {
     404: ("invalid_request_error", "not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
     413: ("invalid_request_error", "request_too_large"),
+    415: ("invalid_request_error", "unsupported_content_type"),
     503: ("server_error", "server_busy"),
 }
 

@@ -309,21 +309,23 @@ async def generate(request: Request) -> Response:
     return await _generate(request, state, body, start, shape)
 
 
-def _model_entry(ref: str, path: Any, size: int, config: dict[str, Any],
+def _model_entry(name: str, path: Any, size: int, config: dict[str, Any],
                  quant: str) -> dict[str, Any]:
+    """A model as /api/tags and /api/ps list it, by its listed name (the digest stays with the
+    directory when what a bare name means changes)."""
     try:
         modified = iso(path.stat().st_mtime)
     except OSError:
         modified = now_iso()
-    return {"name": ref, "model": ref, "modified_at": modified, "size": size,
-            "digest": digest(f"{ref}:{path}"), "details": details(config, quant)}
+    return {"name": name, "model": name, "modified_at": modified, "size": size,
+            "digest": digest(str(path)), "details": details(config, quant)}
 
 
 @router.api_route("/tags", methods=["GET", "HEAD"])
 async def tags(request: Request) -> JSONResponse:
     state = state_of(request)
-    models = [_model_entry(m.ref, m.path, m.size_bytes, m.config, m.quantization)
-              for m in state.pool.stored()]
+    models = [_model_entry(name, m.path, m.size_bytes, m.config, m.quantization)
+              for name, m in state.pool.listed()]
     return JSONResponse({"models": models})
 
 
@@ -365,9 +367,11 @@ async def show(request: Request) -> JSONResponse:
 async def ps(request: Request) -> JSONResponse:
     state = state_of(request)
     models = []
+    names = state.pool.listed_names()
     for loaded in state.pool.loaded.values():
         quant = str(loaded.config.get("quantization") or "")
-        entry = _model_entry(loaded.ref, loaded.path, loaded.size_bytes, loaded.config, quant)
+        entry = _model_entry(names.get(loaded.path, loaded.ref), loaded.path, loaded.size_bytes,
+                             loaded.config, quant)
         entry["expires_at"] = iso(loaded.expires_at) if loaded.expires_at else FAR_FUTURE
         entry["size_vram"] = 0
         entry["context_length"] = loaded.engine.context_window
@@ -485,6 +489,7 @@ async def pull(request: Request) -> Response:
             await task
         finally:  # ended, or the client went away: a download still running stops
             gone.set()
+            state.pool.forget()  # a pull may have changed what a bare name means
 
     if body.stream is False:
         last: dict[str, Any] = {}
@@ -498,8 +503,9 @@ async def pull(request: Request) -> Response:
 
 @router.delete("/delete")
 async def delete(request: Request) -> Response:
-    """Delete a stored model (`name` deletes every quantization, `name:quant` one); a loaded
-    copy is unloaded first, cancelling its running replies."""
+    """Delete a stored model (`name` its default quantization, as Ollama's `name` is
+    `name:latest`; `name:quant` that one); a loaded copy is unloaded first, cancelling its
+    running replies."""
     state = state_of(request)
     body = p.OllamaModelRequest.model_validate_json(await read_body(request))
     if not body.ref:
@@ -514,5 +520,6 @@ async def delete(request: Request) -> Response:
             await pool.unload(loaded)
     pool.forget(paths)
     await asyncio.to_thread(pool.store.remove, body.ref)
+    pool.forget()  # the name's default may have passed to another quantization
     log.info("deleted %s", ", ".join(m.ref for m in matches))
     return Response(status_code=200)

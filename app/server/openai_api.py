@@ -560,11 +560,12 @@ async def completion_chunks(events: AsyncIterator[tuple[int, TokenEvent | Finish
 
 # -- models and tokenizer ----------------------------------------------------------------------
 def model_cards(state: ServerState) -> list[p.ModelCard]:
-    cards: dict[str, p.ModelCard] = {}
-    for m in state.pool.stored():
-        cards[m.ref] = p.ModelCard(id=m.ref, created=_mtime(m.path))
+    """The stored models by the names users run them by, then command-line directories."""
+    cards = {m.path: p.ModelCard(id=name, created=_mtime(m.path))
+             for name, m in state.pool.listed()}
     for loaded in state.pool.loaded.values():
-        cards.setdefault(loaded.ref, p.ModelCard(id=loaded.ref, created=int(loaded.loaded_at)))
+        if loaded.path not in cards:
+            cards[loaded.path] = p.ModelCard(id=loaded.ref, created=int(loaded.loaded_at))
     return list(cards.values())
 
 
@@ -583,8 +584,8 @@ async def list_models(request: Request) -> JSONResponse:
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request) -> JSONResponse:
     state = state_of(request)
-    ref, path = state.pool.resolve(model_id)
-    return JSONResponse(p.ModelCard(id=ref, created=_mtime(path)).model_dump())
+    _, path = state.pool.resolve(model_id)  # the id as asked: either spelling of a default
+    return JSONResponse(p.ModelCard(id=model_id.strip(), created=_mtime(path)).model_dump())
 
 
 @router.post("/tokenize")

@@ -3,7 +3,9 @@ idle one unloaded when `max_loaded` is reached, and unloaded when its keep-alive
 
 Clients name models by store reference only (`name` or `name:quant`); a directory path is
 accepted only from the command line (`--model`), so a request can never make the server load
-code from a folder of its choosing.
+code from a folder of its choosing. A stored model is listed by the name users run it by
+(`listed`, from `Store.display_ref`): the bare name for its default quantization, `name:quant`
+for the others.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ log = logging.getLogger("localchat.server")
 class LoadedModel:
     """One open engine and its bookkeeping."""
 
-    ref: str  # the id clients see: name:quant (or the engine's name for a directory)
+    ref: str  # the id clients see: its listed name (or the engine's name for a directory)
     path: Path
     engine: Any
     size_bytes: int
@@ -58,16 +60,25 @@ class ModelPool:
         """The models in the store."""
         return self.store.models()
 
+    def listed(self) -> list[tuple[str, StoredModel]]:
+        """Every stored model with the name it is listed by (see `Store.display_ref`)."""
+        stored = self.stored()
+        return [(self.store.display_ref(m, stored), m) for m in stored]
+
+    def listed_names(self) -> dict[Path, str]:
+        """The listed name of each loaded model, by directory: a stored one's as the store
+        names it now, a command-line directory's its engine's name."""
+        names = {m.path: name for name, m in self.listed()}
+        return {path: names.get(path, loaded.ref) for path, loaded in self.loaded.items()}
+
     def resolve(self, model: Any) -> tuple[str, Path]:
-        """(id, model directory) for a client's model reference."""
+        """(listed name, model directory) for a client's model reference; either spelling of
+        a default quantization (`name`, `name:quant`) names the same model."""
         if not isinstance(model, str) or not model.strip():
             raise InvalidRequestError("'model' must be a non-empty string", "model")
         ref = model.strip()
         if ref in self._aliases:
             return ref, self._aliases[ref]
-        for loaded in self.loaded.values():
-            if ref == loaded.ref:
-                return loaded.ref, loaded.path
         cached = self._resolved.get(ref)
         if cached is not None and cached[1].is_dir():
             return cached
@@ -75,16 +86,23 @@ class ModelPool:
             raise ModelNotFoundError(f"the model {ref!r} does not exist: name a stored model")
         matches = self.store.find(ref)  # the store's resolution: a bare name is its default
         if matches:
-            self._resolved[ref] = (matches[0].ref, matches[0].path)
-            return matches[0].ref, matches[0].path
+            self._resolved[ref] = (self.store.display_ref(matches[0]), matches[0].path)
+            return self._resolved[ref]
         names = sorted({m.ref for m in self.stored()} | {m.name for m in self.stored()})
         near = difflib.get_close_matches(ref, names, n=3, cutoff=0.6)
         hint = f" Did you mean: {', '.join(near)}?" if near else ""
         raise ModelNotFoundError(f"the model {ref!r} does not exist.{hint}", suggestions=near)
 
-    def forget(self, paths: set[Path]) -> None:
-        """Drop the names resolved to `paths` (models being deleted)."""
-        self._resolved = {k: v for k, v in self._resolved.items() if v[1] not in paths}
+    def forget(self, paths: set[Path] | None = None) -> None:
+        """Drop the names resolved to `paths` (models being deleted), or every resolved name
+        (None: the store changed, and with it what a bare name may mean); loaded models take
+        the names the store gives them now."""
+        if paths is None:
+            self._resolved.clear()
+        else:
+            self._resolved = {k: v for k, v in self._resolved.items() if v[1] not in paths}
+        for path, name in self.listed_names().items():
+            self.loaded[path].ref = name
 
     # -- loading -------------------------------------------------------------------------------
     async def preload(self, ref: str) -> LoadedModel:

@@ -349,6 +349,8 @@ class RemoteBackend:
             tag = tags.get(ref, {})
             details = tag.get("details") if isinstance(tag.get("details"), dict) else {}
             size = tag.get("size")
+            # a bare name (a default quantization) says its quantization in /api/tags only
+            quant = quant or str(details.get("quantization_level") or "")
             out.append(ModelInfo(
                 ref=ref, name=name, quantization=quant,
                 architecture=str(details.get("family") or ""),

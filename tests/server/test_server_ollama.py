@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import ollama
 import pytest
-from serve_helpers import MODEL, MODEL_REF, Server
+from serve_helpers import MODEL, Server
 
 QUESTION = [{"role": "user", "content": "Name three colours."}]
 GREEDY = {"temperature": 0, "num_predict": 8}
@@ -62,7 +62,7 @@ def test_generate(client: ollama.Client) -> None:
 
 def test_tags_show_ps_version(client: ollama.Client, server: Server) -> None:
     tags = client.list()
-    assert [m.model for m in tags.models] == [MODEL_REF]
+    assert [m.model for m in tags.models] == [MODEL]
     assert tags.models[0].details.quantization_level == "q0f32"
     assert tags.models[0].size > 0
     info = client.show(MODEL)
@@ -70,7 +70,7 @@ def test_tags_show_ps_version(client: ollama.Client, server: Server) -> None:
     assert info.modelinfo["llama.context_length"] == 8192
     assert "temperature" in info.parameters
     running = client.ps()
-    assert [m.model for m in running.models] == [MODEL_REF]
+    assert [m.model for m in running.models] == [MODEL]
     assert running.models[0].context_length == 8192
     r = httpx.get(f"{server.url}/api/version")
     assert r.status_code == 200 and r.json()["version"]

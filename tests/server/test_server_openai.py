@@ -37,9 +37,9 @@ def greedy(client: openai.OpenAI, messages: list, max_tokens: int = 12, **kw: ob
 
 def test_models_list_and_get(client: openai.OpenAI) -> None:
     ids = [m.id for m in client.models.list().data]
-    assert ids == [MODEL_REF]
-    assert client.models.retrieve(MODEL_REF).id == MODEL_REF
-    assert client.models.retrieve(MODEL).id == MODEL_REF
+    assert ids == [MODEL]  # the name it was served by: its default quantization
+    assert client.models.retrieve(MODEL_REF).id == MODEL_REF  # either spelling, as asked
+    assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError) as info:
         client.models.retrieve("no-such-model")
     assert info.value.body["code"] == "model_not_found"
@@ -48,10 +48,10 @@ def test_models_list_and_get(client: openai.OpenAI) -> None:
 def test_health(server: Server) -> None:
     # while the --model loaded at start was loading, /health said 503
     loading = [h for h in server.health_seen if h["http"] == 503]
-    assert loading and loading[0] == {"status": "loading", "loading": [MODEL_REF], "http": 503}
+    assert loading and loading[0] == {"status": "loading", "loading": [MODEL], "http": 503}
     r = httpx.get(f"{server.url}/health")
     assert r.status_code == 200
-    assert r.json() == {"status": "ok", "models": [MODEL_REF]}
+    assert r.json() == {"status": "ok", "models": [MODEL]}
 
 
 def test_chat_usage_is_exact(client: openai.OpenAI, server: Server) -> None:

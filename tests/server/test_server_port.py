@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 import httpx
 import ollama
 import pytest
-from serve_helpers import MODEL, MODEL_REF, Server, start_server, stop_server
+from serve_helpers import MODEL, Server, start_server, stop_server
 
 from localchat.server.app import run
 from localchat.server.config import DEFAULT_PORT, ServerConfig
@@ -49,7 +49,7 @@ def default_server(server_home: Path, tmp_path: Path,
 def test_ollama_client_with_no_host_finds_the_default_port(default_server: Server) -> None:
     assert default_server.url == "http://127.0.0.1:11434"
     client = ollama.Client(timeout=120)
-    assert [m.model for m in client.list().models] == [MODEL_REF]
+    assert [m.model for m in client.list().models] == [MODEL]
     reply = client.chat(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
                         options={"temperature": 0, "num_predict": 2})
     assert reply.done and reply.message.content

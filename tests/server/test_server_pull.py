@@ -86,10 +86,10 @@ def test_ollama_client_pulls_through_the_server(pull_server: Server, hub: HubSer
     assert fetched and weights[-1].total > 100_000
 
     tags = httpx.get(f"{pull_server.url}/api/tags", timeout=30).json()["models"]
-    assert [m["name"] for m in tags] == [f"{NAME}:{QUANT}"]
+    assert [m["name"] for m in tags] == [NAME]  # its only quantization: the default
     assert tags[0]["details"]["quantization_level"] == QUANT
     assert tags[0]["details"]["family"] == "llama" and tags[0]["size"] > 0
-    assert [m.model for m in client.list().models] == [f"{NAME}:{QUANT}"]
+    assert [m.model for m in client.list().models] == [NAME]
 
     # the pulled model serves at once, through the same client
     reply = client.chat(model=NAME, messages=[{"role": "user", "content": "hi"}],
@@ -107,7 +107,7 @@ def test_ollama_client_deletes_a_loaded_model(pull_server: Server) -> None:
     if not client.list().models:  # run alone: pull it first
         assert list(client.pull(NAME, stream=True))[-1].status == "success"
     client.generate(model=NAME, prompt="hi", options={"num_predict": 1})  # loaded
-    assert [m.model for m in client.ps().models] == [f"{NAME}:{QUANT}"]
+    assert [m.model for m in client.ps().models] == [NAME]
     client.delete(NAME)
     assert client.list().models == [] and client.ps().models == []
     assert not any((pull_server.home / "models").glob("*/*/localchat-config.json"))

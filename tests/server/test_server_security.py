@@ -12,7 +12,7 @@ import httpx
 import ollama
 import openai
 import pytest
-from serve_helpers import MODEL, MODEL_REF, Server, start_server, stop_server
+from serve_helpers import MODEL, Server, start_server, stop_server
 
 KEY = "s3cret-key"
 ORIGIN = "http://app.example"
@@ -42,7 +42,7 @@ def test_key_required_but_health_and_heartbeat_open(locked: Server) -> None:
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
     good = openai.OpenAI(base_url=f"{locked.url}/v1", api_key=KEY, max_retries=0)
-    assert [m.id for m in good.models.list().data] == [MODEL_REF]
+    assert [m.id for m in good.models.list().data] == [MODEL]
 
 
 def test_cors(locked: Server, server: Server) -> None:
@@ -68,7 +68,7 @@ def test_lazy_load_keep_alive_and_a_full_queue(locked: Server) -> None:
     reply = client.chat(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
                         options={"temperature": 0, "num_predict": 2})
     assert reply.message.content
-    assert [m.model for m in client.ps().models] == [MODEL_REF]
+    assert [m.model for m in client.ps().models] == [MODEL]
 
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a story."}],
             "max_tokens": 24, "temperature": 0, "logit_bias": {"2": -100}}

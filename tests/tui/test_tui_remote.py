@@ -17,7 +17,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from server.serve_helpers import MODEL_REF, Server, free_port, make_home, start_server, stop_server
+from server.serve_helpers import (
+    MODEL,
+    MODEL_REF,
+    Server,
+    free_port,
+    make_home,
+    start_server,
+    stop_server,
+)
 from textual.widgets import DataTable, Input, Label, Static
 from tui_helpers import chat_ready, send, set_fields, stop_a_long_reply, wait_for
 
@@ -66,14 +74,15 @@ async def test_the_served_model_is_listed_beside_the_catalog_the_server_pulls_fr
         assert backend.manages_store  # localchat serve has the Ollama API: pull and delete
         table = screen.query_one(DataTable)
         row = table.get_row_at(0)
-        assert row[0] == MODEL_REF and row[1] == "installed"
+        assert row[0] == MODEL and row[1] == "installed"  # the name the server lists
         assert row[2] == "llama" and row[5].endswith(" MB")  # from the server's /api/tags
+        assert row[3] == "q0f32"  # a bare name's quantization: from /api/tags too
         assert table.row_count > 1 and table.get_row_at(1)[1] != "installed"  # the catalog
         assert not screen.query_one("#welcome").display
         table.move_cursor(row=0)
         await pilot.press("enter")  # an installed model: a chat over the server
         chat = await chat_ready(pilot, app)
-        assert chat.model is not None and chat.model.name == MODEL_REF
+        assert chat.model is not None and chat.model.name == MODEL
         assert chat.model.context_window == 8192  # from the server's /api/show
         status = str(chat.query_one("#status", Static).render())
         assert f"ready on {backend.where}" in status
@@ -153,7 +162,7 @@ async def test_a_model_the_server_does_not_serve_is_a_load_error_naming_what_it_
                        and app.screen.load_error is not None, what="the load error")
         status = str(app.screen.query_one("#status", Static).render())
         assert "could not load no-such-model" in status
-        assert f"does not serve 'no-such-model'; it serves: {MODEL_REF}" in status
+        assert f"does not serve 'no-such-model'; it serves: {MODEL}" in status
 
 
 def run_localchat(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
