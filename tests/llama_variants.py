@@ -160,6 +160,27 @@ ODD_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
             "eos_token_id": 2,
         },
     ),
+    "phi3-odd": (  # fused checkpoint projections, partial rotary 0.75, LongRoPE short factors
+        "Phi3Config",
+        {
+            "vocab_size": 1001,
+            "hidden_size": 96,
+            "intermediate_size": 344,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "max_position_embeddings": 512,
+            "original_max_position_embeddings": 128,  # the window: short factors hold there
+            "rope_parameters": {
+                "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                "short_factor": [1.0 + 0.1 * i for i in range(18)],
+                "long_factor": [2.0 + 0.3 * i for i in range(18)],
+            },
+            "pad_token_id": 0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        },
+    ),
     "mistral-odd": (
         "MistralConfig",
         {

@@ -135,6 +135,7 @@ REGISTRY: tuple[Entry, ...] = (
     Entry("gemma3", "gemma", ("Gemma3ForCausalLM",), ("gemma3_text",)),
     Entry("olmo2", "olmo2", ("Olmo2ForCausalLM",), ("olmo2",)),
     Entry("smollm3", "smollm3", ("SmolLM3ForCausalLM",), ("smollm3",)),
+    Entry("phi3", "phi3", ("Phi3ForCausalLM",), ("phi3",)),
     Entry("rwkv4", "rwkv4", ("RwkvForCausalLM",), ("rwkv",)),
 )
 

@@ -300,22 +300,36 @@ class Embedding(nn.Module):
 
 
 def rotary(qkv: nn.Tensor, positions: nn.Tensor, theta: float, scale: float, num_q: int,
-           num_kv: int, rotary_dim: int) -> nn.Tensor:
+           num_kv: int, rotary_dim: int, factors: list[float] | None = None,
+           mscale: float = 1.0) -> nn.Tensor:
     """Rotary embedding (HF's rotate-half) of the q and k heads of qkv [b, s, heads, d] at the
     tokens' `positions` [b * s] times `scale`, on the first `rotary_dim` of each head; v and the
-    rest pass through. A plain tensor expression: the GPU path of a layer with its own theta
-    (the CPU runs `kernels.attention.rotary_qkv_cpu`)."""
+    rest pass through. `factors` (LongRoPE) divide each frequency, `mscale` multiplies cos and
+    sin. A plain tensor expression: the GPU path of a layer with its own theta and LongRoPE's
+    path on every target (the CPU's per-layer theta runs `kernels.attention.rotary_qkv_cpu`)."""
     half = rotary_dim // 2
+    if factors and len(factors) != half:
+        raise ValueError(f"{len(factors)} rope factors for {half} frequencies")
 
     def compute(x: te.Tensor, pos: te.Tensor) -> te.Tensor:
         seq = x.shape[1]
 
+        def factor(k):
+            if not factors:
+                return tirx.const(1.0, "float32")
+            value = tirx.const(float(factors[-1]), "float32")
+            for i in range(half - 2, -1, -1):  # a select chain: the table is small
+                value = tirx.Select(k == i, tirx.const(float(factors[i]), "float32"), value)
+            return value
+
         def value(bi, si, h, j):
             p = pos[bi * seq + si].astype("float32") * tirx.const(scale, "float32")
-            k = tirx.floormod(j, half).astype("float32")
-            freq = p / tirx.power(tirx.const(theta, "float32"),
-                                  k * tirx.const(2.0 / rotary_dim, "float32"))
-            cos, sin = tirx.cos(freq), tirx.sin(freq)
+            k = tirx.floormod(j, half)
+            freq = p / (tirx.power(tirx.const(theta, "float32"),
+                                   k.astype("float32") * tirx.const(2.0 / rotary_dim, "float32"))
+                        * factor(k))
+            m = tirx.const(mscale, "float32")
+            cos, sin = tirx.cos(freq) * m, tirx.sin(freq) * m
             xv = x[bi, si, h, j].astype("float32")
             partner = tirx.if_then_else(j < half, -x[bi, si, h, j + half].astype("float32"),
                                         x[bi, si, h, j - half].astype("float32"))

@@ -81,6 +81,10 @@ class LlamaConfig:
     layer_rope_theta: list[float] = dataclasses.field(default_factory=list)  # per layer
     layer_rope_scale: list[float] = dataclasses.field(default_factory=list)  # positions x this
     rope_layers: list[int] = dataclasses.field(default_factory=list)  # 0: no rotary there
+    # LongRoPE (Phi-3/4): each frequency divided by its factor, cos and sin times the
+    # attention factor; the window is capped at the original context, where these are exact
+    rope_ext_factors: list[float] = dataclasses.field(default_factory=list)
+    rope_attention_factor: float = 1.0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -91,8 +95,10 @@ class LlamaConfig:
 
     @property
     def rope_per_layer(self) -> bool:
-        """Whether layers differ in rope (theta or none), so the model applies it itself."""
-        return bool(self.layer_rope_theta) or bool(self.rope_layers)
+        """Whether the model applies rope itself (the cache's cannot): layers differ in it
+        (theta or none), or it has LongRoPE's factors."""
+        return (bool(self.layer_rope_theta) or bool(self.rope_layers)
+                or bool(self.rope_ext_factors) or self.rope_attention_factor != 1.0)
 
     def layer_options(self, layer_id: int) -> dict[str, Any]:
         """What differs between layers: the sliding window (0: full), the rope theta, and
@@ -181,6 +187,7 @@ class LlamaAttention(nn.Module):
         self.rope_theta, self.rope_scaling = layer["rope_theta"], cfg.rope_scaling
         self.rope_scale = layer["rope_scale"]
         self.cpu = ctx.cpu
+        self.ext_factors, self.mscale = cfg.rope_ext_factors, cfg.rope_attention_factor
         self.rotary_dim = cfg.rotary_dim or None
         qkv_out = (self.num_q + 2 * self.num_kv) * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, qkv_out, cfg.qkv_bias, ctx)
@@ -210,12 +217,13 @@ class LlamaAttention(nn.Module):
         """q and k rotated by this layer's own rope (a cache without rope: per-layer theta)."""
         b, s = qkv.shape[0], qkv.shape[1]
         positions = cache.get_query_positions(b * s)
-        if not self.cpu:
+        if not self.cpu or self.ext_factors or self.mscale != 1.0:
             if self.rope_scaling:
                 raise UnsupportedModelError("per-layer rope with rope_scaling runs on the CPU "
                                             "kernels only")
             return rotary(qkv, positions, self.rope_theta, self.rope_scale, self.num_q,
-                          self.num_kv, self.rotary_dim or self.head_dim)
+                          self.num_kv, self.rotary_dim or self.head_dim,
+                          factors=self.ext_factors, mscale=self.mscale)
         func = rotary_qkv_cpu(self.rope_theta, self.rope_scale, self.head_dim, self.num_q,
                               self.num_kv, str(qkv.dtype), self.rope_scaling or None,
                               self.rotary_dim)
