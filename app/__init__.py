@@ -14,9 +14,9 @@ Heavy modules (TVM, numpy) load on first use of an engine name, so `import local
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from localchat._lazy import lazy_getattr
 from localchat.errors import (
     CompileError,
     ContextWindowError,
@@ -88,8 +88,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'localchat' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_getattr(__name__, _LAZY)

@@ -23,10 +23,11 @@ this package), and is looked up in its module on every access, so patching the d
 
 from __future__ import annotations
 
-import importlib
 import sys
 import types
 from typing import TYPE_CHECKING, Any
+
+from localchat._lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from localchat.downloader.hub import HubClient, RepoFile, RepoSnapshot, hub_offline
@@ -76,11 +77,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'localchat.downloader' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 class _Facade(types.ModuleType):

@@ -34,8 +34,9 @@ its module on every access, so patching the defining module (in tests) reaches t
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from localchat._lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from localchat.engine.build import (
@@ -119,8 +120,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'localchat.engine' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_getattr(__name__, _LAZY)
