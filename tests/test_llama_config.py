@@ -80,5 +80,5 @@ def test_missing_and_unsupported_fields_are_named() -> None:
         LlamaConfig.from_hf(broken)
     with pytest.raises(UnsupportedModelError, match="gelu"):
         LlamaConfig.from_hf({**LLAMA32_OLD, "hidden_act": "gelu"})
-    with pytest.raises(UnsupportedModelError, match="Phi3ForCausalLM"):
-        detect_architecture({"architectures": ["Phi3ForCausalLM"], "model_type": "phi3"})
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
+        detect_architecture({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
