@@ -18,7 +18,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=cmd_list)
 
 
-def library_status(models: list[Any]) -> dict[Path, str]:
+def library_status(store: Any, models: list[Any]) -> dict[Path, str]:
     """For each model: "yes" (this device's library is there), "stale" (an older build for this
     target), "no"; "?" where the engine cannot tell ("damaged" ones are left to the caller)."""
     from localchat.engine import library_status as status
@@ -26,7 +26,7 @@ def library_status(models: list[Any]) -> dict[Path, str]:
     healthy = [m.path for m in models if not m.damaged]
     out: dict[Path, str] = {m.path: "yes" if m.compiled else "no" for m in models}
     if healthy:
-        out.update(status(healthy, open_store().cache_dir))
+        out.update(status(healthy, store.cache_dir))
     return out
 
 
@@ -36,7 +36,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         return _list_available(args)
     store = open_store()
     models = store.models()
-    status = library_status(models)
+    status = library_status(store, models)
     rows = [{
         "name": m.name,
         "quantization": m.quantization,

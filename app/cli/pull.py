@@ -56,7 +56,8 @@ def cmd_pull(args: argparse.Namespace) -> int:
     if args.device == "auto":  # TVM is loaded: remember the status `list` shows, for free
         from localchat.cli.list import library_status
 
-        library_status(open_store().models())
+        store = open_store()
+        library_status(store, store.models())
     return 0
 
 
