@@ -17,13 +17,14 @@ import sys
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from fixtures import cache_dir, smollm2_gguf, smollm2_hf_dir
+from tmux_driver import Tmux
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 LOCALCHAT = Path(sys.executable).parent / "localchat"
@@ -61,16 +62,12 @@ class Ran:
     note: str
 
 
-class Tmux:
-    """One detached tmux session on its own server socket (never the user's tmux)."""
+class ReadmeTmux(Tmux):
+    """A tmux session that runs one README command with the test's environment."""
 
     def __init__(self, env: dict[str, str]) -> None:
-        self.socket = Path("/tmp") / f"lc-readme-{uuid.uuid4().hex[:8]}"
+        super().__init__(Path("/tmp") / f"lc-readme-{uuid.uuid4().hex[:8]}")
         self.env = env
-
-    def __call__(self, *args: str) -> str:
-        return subprocess.run(["tmux", "-S", str(self.socket), *args], check=True,
-                              capture_output=True, text=True, timeout=20).stdout
 
     def start(self, argv: list[str], cwd: Path) -> None:
         conf = self.socket.with_suffix(".conf")
@@ -81,19 +78,6 @@ class Tmux:
         self("-f", str(conf), "new-session", "-d", "-s", "lc", "-x", "100", "-y", "30",
              "-c", str(cwd), *envs, "-e", "TERM=xterm-256color",
              f"{line}; echo EXITED $?; sleep 60")
-
-    def screen(self) -> str:
-        return self("capture-pane", "-p", "-t", "lc")
-
-    def wait(self, condition: Callable[[str], bool], timeout: float, what: str) -> str:
-        deadline = time.monotonic() + timeout
-        while True:
-            text = self.screen()
-            if condition(text):
-                return text
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout} s waiting for {what}:\n{text}")
-            time.sleep(0.3)
 
     def close(self) -> None:
         subprocess.run(["tmux", "-S", str(self.socket), "kill-server"], capture_output=True)
@@ -193,7 +177,7 @@ class ReadmeRun:
         if args[:1] == ["--server"]:
             assert self.server is not None, "the README shows --server before serve"
             args[1] = f"http://127.0.0.1:{self.server_port}"
-        tmux = Tmux(self.env)
+        tmux = ReadmeTmux(self.env)
         try:
             tmux.start([str(LOCALCHAT), *args], self.work)
             expect = "smollm2-135m-instruct"

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,40 +17,10 @@ import pytest
 from localchat import Engine
 from localchat.tui.db import ChatDB
 
+from tmux_driver import Tmux
+
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not on PATH")
 LOCALCHAT = Path(sys.executable).parent / "localchat"
-
-
-class Tmux:
-    """One detached tmux session on its own server socket (never the user's tmux)."""
-
-    def __init__(self, socket: Path) -> None:
-        self.socket = socket
-        self.name = "lc"
-
-    def __call__(self, *args: str) -> str:
-        out = subprocess.run(["tmux", "-S", str(self.socket), *args], check=True,
-                             capture_output=True, text=True, timeout=20)
-        return out.stdout
-
-    def keys(self, *keys: str) -> None:
-        self("send-keys", "-t", self.name, *keys)
-
-    def type(self, text: str) -> None:
-        self("send-keys", "-t", self.name, "-l", text)
-
-    def screen(self) -> str:
-        return self("capture-pane", "-p", "-t", self.name)
-
-    def wait(self, condition: Callable[[str], bool], timeout: float, what: str) -> str:
-        deadline = time.monotonic() + timeout
-        while True:
-            text = self.screen()
-            if condition(text):
-                return text
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout} s waiting for {what}:\n{text}")
-            time.sleep(0.2)
 
 
 @pytest.fixture
