@@ -1,5 +1,5 @@
 """The `localchat` command line: without a verb it opens the terminal UI (`cli/tui.py`); one
-module per verb (convert, run, pull, list, rm, show, doctor, serve), each registering its
+module per verb (convert, run, pull, list, rm, show, doctor, serve, debug), each registering its
 subparser with `add_parser(sub)`; the interactive chat of `run`
 is `localchat.cli.chat`, shared helpers are `localchat.cli.common`.
 
@@ -16,12 +16,13 @@ import sys
 from collections.abc import Sequence
 
 from localchat import __version__
-from localchat.cli import convert, doctor, pull, rm, run, serve, show, tui
+from localchat.cli import convert, debug, doctor, pull, rm, run, serve, show, tui
 from localchat.cli import list as list_
 from localchat.cli.common import Handler
 from localchat.errors import LocalchatError
 
-VERBS = (convert, run, pull, list_, rm, show, doctor, serve)  # in the order `--help` lists them
+# in the order `--help` lists them
+VERBS = (convert, run, pull, list_, rm, show, doctor, serve, debug)
 
 
 def build_parser() -> argparse.ArgumentParser:

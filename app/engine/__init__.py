@@ -21,6 +21,8 @@ from a module under it:
   library for a target), `target_key` (a target's short name) and `library_status` (whether
   each stored model has this device's library, cached between runs so `list` needs no TVM);
 - `Model` (`engine/runtime.py`): a model directory loaded (compiled if needed) on a device;
+- `debug_model` (`engine/debug/`): `localchat debug`'s layer-by-layer comparison with a
+  reference, returning a `DebugReport`; `DEBUG_PROMPT` is its default prompt;
 - `resolve_template` (`engine/templates.py`): the chat template to use (a name, else the
   model directory's own, else a default);
 - structured output (`engine/grammar.py`): `normalize_response_format` (a `response_format`
@@ -49,6 +51,7 @@ if TYPE_CHECKING:
     from localchat.engine.build.compile import target_key
     from localchat.engine.build.convert import has_tokenizer, read_hf_config
     from localchat.engine.build.quantization import get_quant_mode
+    from localchat.engine.debug import DEBUG_PROMPT, DebugReport, debug_model
     from localchat.engine.device import (
         DEVICE_KINDS,
         backend_supported,
@@ -89,18 +92,24 @@ _LAZY = {
     "get_quant_mode": "localchat.engine.build.quantization",
     "Model": "localchat.engine.runtime",
     "resolve_template": "localchat.engine.templates",
+    "debug_model": "localchat.engine.debug",
+    "DEBUG_PROMPT": "localchat.engine.debug",
+    "DebugReport": "localchat.engine.debug",
     "json_schema_problem": "localchat.engine.grammar",
     "normalize_response_format": "localchat.engine.grammar",
 }
 
 __all__ = [
+    "DEBUG_PROMPT",
     "DEVICE_KINDS",
+    "DebugReport",
     "Model",
     "ThreadCountError",
     "add_threads_argument",
     "backend_supported",
     "configure_threads",
     "convert_source",
+    "debug_model",
     "device_present",
     "ensure_threads",
     "get_quant_mode",

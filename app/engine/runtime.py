@@ -51,6 +51,20 @@ def _global(name: str) -> Any:
     return tvm.get_global_func(name)
 
 
+def load_params(model_dir: Path, names: list[str], dev: Any) -> Any:
+    """A model directory's weights (TVM tensor cache) on device `dev`, in the packed order of
+    `names` (its config's param_names)."""
+    with _LOAD_LOCK:
+        _global("vm.builtin.tensor_cache.load")(
+            str(model_dir), dev.dlpack_device_type(), dev.index
+        )
+        try:
+            params = _global("vm.builtin.param_array_from_cache_by_name")(names)
+        finally:
+            _global("vm.builtin.tensor_cache.clear")()
+    return params
+
+
 @dataclass
 class Sequence:
     """A sequence held in the model's state: its id and the tokens it has consumed."""
@@ -133,16 +147,7 @@ class Model:
         return ["embed", "prefill", "decode", "batch_prefill", "batch_decode"]
 
     def _load_params(self) -> Any:
-        names = self.meta["param_names"]
-        with _LOAD_LOCK:
-            _global("vm.builtin.tensor_cache.load")(
-                str(self.model_dir), self.dev.dlpack_device_type(), self.dev.index
-            )
-            try:
-                params = _global("vm.builtin.param_array_from_cache_by_name")(names)
-            finally:
-                _global("vm.builtin.tensor_cache.clear")()
-        return params
+        return load_params(self.model_dir, self.meta["param_names"], self.dev)
 
     def _create_state(self) -> Any:
         if self.arch.state == "rnn":

@@ -27,7 +27,7 @@ from localchat.engine.kernels.attention import (
     rotary_qkv_cpu,
     windowed_sm_scale,
 )
-from localchat.engine.models import Architecture, GgufMap, GgufSource
+from localchat.engine.models import Architecture, GgufMap, GgufSource, probes
 from localchat.engine.models.export import model_spec
 from localchat.engine.models.layers import (
     GATES,
@@ -211,6 +211,8 @@ class LlamaAttention(nn.Module):
             k = op.reshape(self.k_norm(op.reshape(k, (b, s * nkv, d))), (b, s, nkv * d))
         else:
             q, k = self.q_norm(q), self.k_norm(k)
+        probes.probe("self_attn.q_norm", q)
+        probes.probe("self_attn.k_norm", k)
         return op.concat([q, k, v], dim=-1)
 
     def _rotated(self, qkv: nn.Tensor, cache: PagedKVCache) -> nn.Tensor:
@@ -233,13 +235,19 @@ class LlamaAttention(nn.Module):
     def forward(self, x: nn.Tensor, cache: PagedKVCache, layer_id: int, gemv: bool) -> nn.Tensor:
         b, s, _ = x.shape
         qkv = self.qkv_proj(x, gemv)
+        q_size, kv_size = self.num_q * self.head_dim, self.num_kv * self.head_dim
+        probes.probe_split(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), qkv,
+                           (q_size, kv_size, kv_size))
         if self.qk_norm:
             qkv = self._normed_qkv(qkv)
         qkv = op.reshape(qkv, (b, s, self.num_q + 2 * self.num_kv, self.head_dim))
         if self.own_rope:
             qkv = self._rotated(qkv, cache)
+            # no reference module computes this: shown, checked for NaN/Inf, not compared
+            probes.probe("rotary", qkv)
         out = cache.attention_with_fused_qkv(layer_id, qkv, self.num_q, sm_scale=self.call_scale)
-        return self.o_proj(op.reshape(out, (b, s, self.num_q * self.head_dim)), gemv)
+        out = probes.probe("self_attn.o_proj:in", op.reshape(out, (b, s, q_size)))
+        return probes.probe("self_attn.o_proj", self.o_proj(out, gemv))
 
 
 class LlamaMLP(nn.Module):
@@ -255,7 +263,10 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: nn.Tensor, gemv: bool) -> nn.Tensor:
         gate_up = self.gate_up_proj(x, gemv)
-        return self.down_proj(gated(gate_up, self.act, self.target_kind), gemv)
+        f = self.down_proj.in_features
+        probes.probe_split(("mlp.gate_proj", "mlp.up_proj"), gate_up, (f, f))
+        act = probes.probe("mlp.down_proj:in", gated(gate_up, self.act, self.target_kind))
+        return probes.probe("mlp.down_proj", self.down_proj(act, gemv))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -281,13 +292,21 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, ctx)
 
     def forward(self, x: nn.Tensor, cache: PagedKVCache, layer_id: int, gemv: bool) -> nn.Tensor:
+        # probes (models/probes.py) name each step by the HF module whose output it equals
+        norm = probes.probe
         if self.norms == "pre":
-            x = x + self.self_attn(self.input_layernorm(x), cache, layer_id, gemv)
-            return x + self.mlp(self.post_attention_layernorm(x), gemv)
-        attn_in = self.input_layernorm(x) if self.norms == "sandwich" else x
-        x = x + self.post_attention_layernorm(self.self_attn(attn_in, cache, layer_id, gemv))
-        mlp_in = self.pre_feedforward_layernorm(x) if self.norms == "sandwich" else x
-        return x + self.post_feedforward_layernorm(self.mlp(mlp_in, gemv))
+            h = norm("input_layernorm", self.input_layernorm(x))
+            x = x + self.self_attn(h, cache, layer_id, gemv)
+            return x + self.mlp(norm("post_attention_layernorm", self.post_attention_layernorm(x)),
+                                gemv)
+        attn_in = norm("input_layernorm", self.input_layernorm(x)) \
+            if self.norms == "sandwich" else x
+        x = x + norm("post_attention_layernorm",
+                     self.post_attention_layernorm(self.self_attn(attn_in, cache, layer_id, gemv)))
+        mlp_in = norm("pre_feedforward_layernorm", self.pre_feedforward_layernorm(x)) \
+            if self.norms == "sandwich" else x
+        return x + norm("post_feedforward_layernorm",
+                        self.post_feedforward_layernorm(self.mlp(mlp_in, gemv)))
 
 
 class LlamaModel(nn.Module):
@@ -303,7 +322,8 @@ class LlamaModel(nn.Module):
         in the decode GEMV on the CPU whatever the batch size, so a sequence's bits do not
         depend on what it is batched with."""
         for layer_id, layer in enumerate(self.layers):
-            x = layer(x, cache, layer_id, gemv)
+            with probes.layer(layer_id):
+                x = probes.probe_layer(layer(x, cache, layer_id, gemv))
         return self.norm(x)
 
 
@@ -364,6 +384,18 @@ class LlamaForCausalLM(nn.Module):
         b, h = input_embeds.shape
         hidden = self.model(op.reshape(input_embeds, (b, 1, h)), paged_kv_cache, gemv=True)
         return self._logits(op.reshape(hidden, (b, h))), paged_kv_cache
+
+    def debug_prefill(self, input_embed: nn.Tensor, paged_kv_cache: PagedKVCache):
+        """A debug build's prefill: logits at every position, then every probe (`probes`)."""
+        n, h = input_embed.shape
+        with probes.recording() as rec:
+            hidden = self.model(op.reshape(input_embed, (1, n, h)), paged_kv_cache)
+        self.debug_probes = rec.names()
+        return (self._logits(op.reshape(hidden, (n, h))), *rec.outputs()), paged_kv_cache
+
+    def get_debug_spec(self) -> nn.spec.ModuleSpec:
+        return probes.debug_spec(self, hidden_size=self.cfg.hidden_size, dtype=self.mode.dtype,
+                                 state="kv", state_type=PagedKVCache)
 
     def create_paged_kv_cache(
         self,

@@ -39,7 +39,7 @@ from tvm.target import Target
 
 from localchat.engine.build.quantization import QuantMode
 from localchat.engine.kernels import wkv
-from localchat.engine.models import Architecture
+from localchat.engine.models import Architecture, probes
 from localchat.engine.models.export import model_spec
 from localchat.engine.models.layers import BuildContext, Embedding, Linear
 from localchat.engine.models.recurrent import (
@@ -159,9 +159,9 @@ class TimeMix(nn.Module):
         bb = state.get(layer_id, ATT_B, batch, a, "float32")
         pp = state.get(layer_id, ATT_P, batch, a, "float32")
         xk, xv, xr = seg.token_mix(xx, prev, self.time_mix_k, self.time_mix_v, self.time_mix_r)
-        k = seg.project(self.key, xk)
-        v = seg.project(self.value, xv)
-        r = op.sigmoid(seg.project(self.receptance, xr))
+        k = probes.probe("attention.key", seg.project(self.key, xk))
+        v = probes.probe("attention.value", seg.project(self.value, xv))
+        r = op.sigmoid(probes.probe("attention.receptance", seg.project(self.receptance, xr)))
         n = xx.shape[0]
         y, aa, bb, pp = op.tensor_ir_op(
             wkv.wkv_scan(a, dt, self.gpu),
@@ -174,11 +174,13 @@ class TimeMix(nn.Module):
                 nn.Tensor.placeholder((batch, a), "float32"),
             ],
         )
-        state = state.set(layer_id, ATT_X, seg.last_rows(xx))
-        state = state.set(layer_id, ATT_A, aa)
-        state = state.set(layer_id, ATT_B, bb)
-        state = state.set(layer_id, ATT_P, pp)
-        return seg.project(self.output, r * y), state
+        last = seg.last_rows(xx)
+        state = state.set(layer_id, ATT_X, probes.probe("state.att_x", last))
+        state = state.set(layer_id, ATT_A, probes.probe("state.att_num", aa))
+        state = state.set(layer_id, ATT_B, probes.probe("state.att_den", bb))
+        state = state.set(layer_id, ATT_P, probes.probe("state.att_max", pp))
+        out = seg.project(self.output, probes.probe("attention.output:in", r * y))
+        return probes.probe("attention.output", out), state
 
 
 class ChannelMix(nn.Module):
@@ -194,10 +196,10 @@ class ChannelMix(nn.Module):
     def forward(self, xx: nn.Tensor, seg: Segments, state: RnnState, layer_id: int):
         prev = state.get(layer_id, FFN_X, seg.batch, xx.shape[-1], self.dtype)
         xk, xr = seg.token_mix(xx, prev, self.time_mix_k, self.time_mix_r)
-        k = op.square(op.relu(seg.project(self.key, xk)))
-        r = op.sigmoid(seg.project(self.receptance, xr))
-        state = state.set(layer_id, FFN_X, seg.last_rows(xx))
-        return r * seg.project(self.value, k), state
+        k = op.square(op.relu(probes.probe("feed_forward.key", seg.project(self.key, xk))))
+        r = op.sigmoid(probes.probe("feed_forward.receptance", seg.project(self.receptance, xr)))
+        state = state.set(layer_id, FFN_X, probes.probe("state.ffn_x", seg.last_rows(xx)))
+        return r * probes.probe("feed_forward.value", seg.project(self.value, k)), state
 
 
 class Block(nn.Module):
@@ -209,9 +211,9 @@ class Block(nn.Module):
         self.ffn = ChannelMix(cfg, ctx)
 
     def forward(self, x: nn.Tensor, seg: Segments, state: RnnState, layer_id: int):
-        out, state = self.att(self.ln1(x), seg, state, layer_id)
+        out, state = self.att(probes.probe("ln1", self.ln1(x)), seg, state, layer_id)
         x = x + out
-        out, state = self.ffn(self.ln2(x), seg, state, layer_id)
+        out, state = self.ffn(probes.probe("ln2", self.ln2(x)), seg, state, layer_id)
         return x + out, state
 
 
@@ -233,16 +235,37 @@ class Rwkv4ForCausalLM(nn.Module):
         """x [n, h] holding B sequences ending at `ends` -> logits [B, vocab] (float32).
         `gemv`: one token per sequence (decode), so Linears run as matrix-vector products."""
         seg = Segments.of(x, ends, gemv)
-        every = self.cfg.rescale_every
-        for i, block in enumerate(self.blocks):
-            x, state = block(x, seg, state, i)
-            if every > 0 and (i + 1) % every == 0:
-                x = x / 2.0
+        x, state = self._blocks(x, seg, state)
         # the head always sees one row per sequence
         logits = project(self.head, self.ln_out(seg.last_rows(x)), True)
         if logits.dtype != "float32":
             logits = logits.astype("float32")
         return logits, state
+
+    def _blocks(self, x: nn.Tensor, seg: Segments, state: RnnState):
+        every = self.cfg.rescale_every
+        for i, block in enumerate(self.blocks):
+            with probes.layer(i):
+                x, state = block(x, seg, state, i)
+                probes.probe_layer(x)  # before the rescale, as HF's block returns it
+            if every > 0 and (i + 1) % every == 0:
+                x = x / 2.0
+        return x, state
+
+    def debug_prefill(self, input_embed: nn.Tensor, rnn_state: RnnState):
+        """A debug build's prefill: logits at every position, then every probe (`probes`)."""
+        with probes.recording() as rec:
+            seg = Segments.of(input_embed, prefill_ends(input_embed))
+            x, state = self._blocks(input_embed, seg, rnn_state)
+        self.debug_probes = rec.names()
+        logits = project(self.head, self.ln_out(x), False)
+        if logits.dtype != "float32":
+            logits = logits.astype("float32")
+        return (logits, *rec.outputs()), state
+
+    def get_debug_spec(self) -> nn.spec.ModuleSpec:
+        return probes.debug_spec(self, hidden_size=self.cfg.hidden_size, dtype=self.mode.dtype,
+                                 state="rnn", state_type=RnnState)
 
     def embed(self, input_ids: nn.Tensor) -> nn.Tensor:
         return self.embeddings(input_ids)

@@ -1,0 +1,175 @@
+"""The reference side of `localchat debug`: the same prompt through HF `transformers` on the CPU
+in float32, with a forward hook on every module a probe names (models/probes.py), so each of
+our probes has the reference's value beside it.
+
+A reference is an HF model folder, or a llama.cpp `.gguf` file (dequantized to a temporary HF
+folder first, so the reference runs on the very weights the file holds).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from localchat.engine.debug.compiled import STATE_PREFIX, ForwardTrace, ProbeValue
+from localchat.errors import InvalidRequestError, LocalchatError
+
+Log = Callable[[str], None]
+EXTRA = "localchat-tvm[debug]"
+# Fused projections some checkpoints have where others have one module per part: a probe of a
+# part whose module is missing reads its slice of the fused module's output, in this order.
+FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+PART_OF = {part: (fused, parts) for fused, parts in FUSED.items() for part in parts}
+# transformers' RWKV returns its state as five [batch, channels, layers] tensors, in this order
+RWKV_STATE = {"state.ffn_x": 0, "state.att_x": 1, "state.att_num": 2, "state.att_den": 3,
+              "state.att_max": 4}
+
+
+class MissingExtraError(LocalchatError):
+    """The reference needs packages that are not installed."""
+
+
+def require_torch() -> None:
+    """Raise a one-line error naming the extra when torch or transformers is missing."""
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        raise MissingExtraError(
+            f"the reference model needs torch and transformers ({exc.name} is missing): "
+            f"pip install '{EXTRA}'") from None
+
+
+@contextmanager
+def reference_folder(ref: Path, log: Log | None = None) -> Iterator[Path]:
+    """An HF folder for `ref`: the folder itself, or a GGUF file dequantized into a temporary
+    one (removed afterwards)."""
+    ref = Path(ref).expanduser()
+    if ref.is_dir():
+        if not (ref / "config.json").is_file():
+            raise InvalidRequestError(f"{ref}: not an HF model folder (no config.json)",
+                                      "reference")
+        yield ref
+        return
+    if ref.is_file() and ref.suffix.lower() == ".gguf":
+        from localchat.engine.build.gguf import gguf_to_hf_folder
+
+        with tempfile.TemporaryDirectory(prefix="localchat-debug-ref-") as tmp:
+            if log:
+                log(f"dequantizing {ref.name} to float32 for the reference")
+            yield gguf_to_hf_folder(ref, Path(tmp), dtype="float32")
+        return
+    if not ref.exists():
+        raise InvalidRequestError(f"reference {ref} does not exist", "reference")
+    raise InvalidRequestError(
+        f"{ref}: a reference is an HF model folder or a .gguf file", "reference")
+
+
+def _blocks(model: Any, count: int) -> Any:
+    """The model's list of decoder blocks: its ModuleList of `count` modules."""
+    import torch
+
+    found = [m for name, m in model.named_modules()
+             if isinstance(m, torch.nn.ModuleList) and len(m) == count
+             and name.rsplit(".", 1)[-1] in ("layers", "blocks", "h")]
+    if not found:
+        raise InvalidRequestError(f"the reference has no list of {count} blocks", "reference")
+    return found[0]
+
+
+def run_reference(folder: Path, token_ids: list[int], wanted: list[tuple[int, str]],
+                  num_layers: int) -> ForwardTrace:
+    """Run the HF model in `folder` over `token_ids` (float32, CPU) and return its logits at
+    every position and the value of each (layer, probe name) in `wanted` that it has a module
+    for (the others are left out)."""
+    require_torch()
+    import torch
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(folder), dtype=torch.float32, attn_implementation="eager")
+    except (OSError, ValueError) as exc:
+        raise InvalidRequestError(f"transformers cannot load {folder}: "
+                                  f"{str(exc).strip().splitlines()[0]}", "reference") from None
+    model.eval()
+    blocks = _blocks(model, num_layers)
+    captured: dict[tuple[int, str], np.ndarray] = {}
+    hooks = []
+
+    def as_array(value: Any) -> np.ndarray:
+        if isinstance(value, (tuple, list)):
+            value = value[0]
+        return value.detach().to(torch.float32).numpy().reshape(len(token_ids), -1)
+
+    def add_hook(layer: int, path: str) -> bool:
+        """Hook the module `path` names (`:in`: its input) in block `layer`; False: none."""
+        module_path, _, where = path.partition(":")
+        block = blocks[layer]
+        module = block if module_path == "output" else _submodule(block, module_path)
+        if module is None:
+            return False
+
+        def hook(_mod: Any, args: Any, output: Any) -> None:
+            captured[(layer, path)] = as_array(args if where == "in" else output)
+
+        hooks.append(module.register_forward_hook(hook))
+        return True
+
+    states = [(layer, name) for layer, name in wanted if name.startswith(STATE_PREFIX)]
+    for layer, name in sorted(set(wanted) - set(states)):
+        if layer < 0 or add_hook(layer, name) or name not in PART_OF:
+            continue
+        fused = PART_OF[name][0]  # the checkpoint fuses this projection: split it afterwards
+        if (layer, fused) not in captured and add_hook(layer, fused):
+            captured[(layer, fused)] = np.empty(0)  # a placeholder: hooked once per block
+    try:
+        with torch.no_grad():
+            out = model(torch.tensor([token_ids], dtype=torch.long), use_cache=bool(states))
+    finally:
+        for h in hooks:
+            h.remove()
+    for layer, name in states:
+        index = RWKV_STATE.get(name)
+        hf_state = getattr(out, "state", None)
+        if index is not None and hf_state is not None:  # [batch, channels, layers] each
+            captured[(layer, name)] = hf_state[index][0, :, layer].to(torch.float32).numpy() \
+                .reshape(1, -1)
+    logits = out.logits[0].to(torch.float32).numpy()
+    return ForwardTrace(logits, [ProbeValue(layer, name, value)
+                                 for (layer, name), value in captured.items()])
+
+
+def _submodule(block: Any, path: str) -> Any:
+    try:
+        return block.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def split_fused(reference: ForwardTrace, ours: ForwardTrace) -> None:
+    """Replace each fused module's value in `reference` by its parts, cut at the widths of our
+    probes of those parts (q/k/v, gate/up)."""
+    widths = {(p.layer, p.name): p.value.shape[-1] for p in ours.probes}
+    kept: list[ProbeValue] = []
+    for p in reference.probes:
+        if p.name not in FUSED:
+            kept.append(p)
+            continue
+        start = 0
+        for part in FUSED[p.name]:
+            width = widths.get((p.layer, part))
+            if width is None:
+                break
+            kept.append(ProbeValue(p.layer, part, p.value[:, start:start + width]))
+            start += width
+    reference.probes = kept
