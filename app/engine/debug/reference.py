@@ -106,10 +106,14 @@ def run_reference(folder: Path, token_ids: list[int], wanted: list[tuple[int, st
     captured: dict[tuple[int, str], np.ndarray] = {}
     hooks = []
 
+    n = len(token_ids)
+
     def as_array(value: Any) -> np.ndarray:
         if isinstance(value, (tuple, list)):
             value = value[0]
-        return value.detach().to(torch.float32).numpy().reshape(len(token_ids), -1)
+        if value.ndim == 4 and value.shape[1] != n and value.shape[2] == n:
+            value = value.transpose(1, 2)  # [batch, heads, tokens, d] (a norm after transpose)
+        return value.detach().to(torch.float32).numpy().reshape(n, -1)
 
     def add_hook(layer: int, path: str) -> bool:
         """Hook the module `path` names (`:in`: its input) in block `layer`; False: none."""
