@@ -21,7 +21,7 @@ from localchat.engine.debug import debug_model, tolerance
 
 import llama_variants
 import rwkv_variants
-from fixtures import converted
+from fixtures import converted, rwkv_package_dir
 
 TOKENS = list(range(3, 40, 2))  # 19 tokens; the tiny models have no tokenizer
 
@@ -99,6 +99,16 @@ def test_rwkv_layers_and_states_against_its_source(rwkv_src: Path, tmp_path: Pat
 
     ref = altered_copy(rwkv_src, tmp_path / "ref", "rwkv.blocks.2.feed_forward.value.weight", 2.0)
     assert debug_model(model, ref, token_ids=TOKENS).first_divergent_layer == 2
+
+
+def test_rwkv_against_the_blink_pth_compares_states(rwkv_src: Path, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(rwkv_package_dir()))  # the `rwkv` package's reference
+    report = debug_model(converted(rwkv_src, "q0f32"), rwkv_src / "blink" / "model.pth",
+                         token_ids=TOKENS)
+    assert report.first_divergent_layer is None and report.top1_agreement == 1.0
+    assert report.logits.rel_err < 1e-5
+    for row in report.layers:  # no block outputs from that reference: each layer's state
+        assert row.rel_err is None and row.state_rel_err < 1e-5
 
 
 # every block option of the registry's architectures (Llama and RWKV-4 have their own tests)

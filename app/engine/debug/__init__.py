@@ -18,6 +18,7 @@ from localchat.engine.debug.reference import (
     MissingExtraError,
     reference_folder,
     require_torch,
+    run_blink_reference,
     run_reference,
     split_fused,
 )
@@ -53,9 +54,14 @@ def debug_model(model_dir: Path, reference: Path, *, prompt: str = DEBUG_PROMPT,
         ids = ids[:chunk]
     ours = run_compiled(model_dir, ids, device, log)
     with reference_folder(reference, log) as folder:
-        if log:
-            log(f"running the reference ({folder.name}) with transformers, float32")
-        ref = run_reference(folder, ids, [(p.layer, p.name) for p in ours.probes], layers)
+        if folder.suffix.lower() == ".pth":
+            if log:
+                log(f"running the reference ({folder.name}) with the rwkv package, float32")
+            ref = run_blink_reference(folder, ids, layers)
+        else:
+            if log:
+                log(f"running the reference ({folder.name}) with transformers, float32")
+            ref = run_reference(folder, ids, [(p.layer, p.name) for p in ours.probes], layers)
     split_fused(ref, ours)
     report = build_report(str(meta.get("name") or model_dir), str(reference),
                           str(meta["quantization"]), ours, ref, ops_layer)

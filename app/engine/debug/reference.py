@@ -3,7 +3,9 @@ in float32, with a forward hook on every module a probe names (models/probes.py)
 our probes has the reference's value beside it.
 
 A reference is an HF model folder, or a llama.cpp `.gguf` file (dequantized to a temporary HF
-folder first, so the reference runs on the very weights the file holds).
+folder first, so the reference runs on the very weights the file holds), or a BlinkDL RWKV
+`.pth` checkpoint, run by the `rwkv` package's reference model: it shows no block outputs, so
+its layers are compared by their new state (and the logits as usual).
 """
 
 from __future__ import annotations
@@ -67,10 +69,45 @@ def reference_folder(ref: Path, log: Log | None = None) -> Iterator[Path]:
                 log(f"dequantizing {ref.name} to float32 for the reference")
             yield gguf_to_hf_folder(ref, Path(tmp), dtype="float32")
         return
+    if ref.is_file() and ref.suffix.lower() == ".pth":
+        yield ref
+        return
     if not ref.exists():
         raise InvalidRequestError(f"reference {ref} does not exist", "reference")
     raise InvalidRequestError(
-        f"{ref}: a reference is an HF model folder or a .gguf file", "reference")
+        f"{ref}: a reference is an HF model folder, a .gguf file or an RWKV .pth", "reference")
+
+
+# the `rwkv` package's RWKV-4 state: five tensors per layer, in this order
+BLINK_STATE = ("state.att_x", "state.att_num", "state.att_den", "state.att_max", "state.ffn_x")
+
+
+def run_blink_reference(pth: Path, token_ids: list[int], num_layers: int) -> ForwardTrace:
+    """The `rwkv` package's reference model (cpu fp32) on a BlinkDL RWKV-4 `.pth`: logits at
+    every position and each layer's new state."""
+    import os
+
+    require_torch()
+    os.environ.setdefault("RWKV_JIT_ON", "0")
+    os.environ.setdefault("RWKV_CUDA_ON", "0")
+    try:
+        from rwkv.model import RWKV
+    except ImportError:
+        raise MissingExtraError("an RWKV .pth reference needs the rwkv package: "
+                                "pip install rwkv") from None
+    import torch
+
+    model = RWKV(model=str(pth), strategy="cpu fp32", verbose=False)
+    with torch.no_grad():
+        logits, state = model.forward(list(token_ids), None, full_output=True)
+    if len(state) != 5 * num_layers:
+        raise InvalidRequestError(f"{pth.name}: its state has {len(state)} tensors, not the "
+                                  f"{5 * num_layers} of a {num_layers}-layer RWKV-4",
+                                  "reference")
+    probes = [ProbeValue(layer, name, state[5 * layer + i].to(torch.float32).numpy()
+                         .reshape(1, -1))
+              for layer in range(num_layers) for i, name in enumerate(BLINK_STATE)]
+    return ForwardTrace(logits.to(torch.float32).numpy().reshape(len(token_ids), -1), probes)
 
 
 def _blocks(model: Any, count: int) -> Any:

@@ -157,7 +157,8 @@ def _table(head: str, rows: list[tuple[str, Row]], tol: float) -> list[str]:
     out = [f"{head:<{width}}  {'max abs err':>11}  {'rel err':>9}  {'cosine':>9}{state_head}  "
            f"error"]
     for label, r in rows:
-        flag = "  NaN/Inf" if r.nonfinite else ("  (no reference)" if r.rel_err is None else "")
+        missing = r.rel_err is None and r.state_rel_err is None
+        flag = "  NaN/Inf" if r.nonfinite else ("  (no reference)" if missing else "")
         state = f"  {_num(r.state_rel_err):>9}" if states else ""
         worst = max((e for e in (r.rel_err, r.state_rel_err) if e is not None), default=None)
         out.append(f"{label:<{width}}  {_num(r.max_abs_err):>11}  {_num(r.rel_err):>9}  "
