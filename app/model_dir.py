@@ -46,7 +46,8 @@ LIB_DIR = "lib"
 LIB_SUFFIXES = (".so", ".dylib", ".dll", ".tar", ".wasm")
 LIBRARY_SUFFIX = ".so"
 # Keys every model directory's config has, and their JSON types. Others are optional: name,
-# template, eos_token_ids, bos_token_id, vocab_size, source, and what `pull` records.
+# template, eos_token_ids, bos_token_id, vocab_size, source, `embedding` (an embedding model's
+# pooling, `EmbeddingSettings`), and what `pull` records.
 REQUIRED_KEYS: dict[str, type | tuple[type, ...]] = {
     "architecture": str,
     "quantization": str,
@@ -149,6 +150,50 @@ def _type_name(kind: type | tuple[type, ...]) -> str:
     kinds = kind if isinstance(kind, tuple) else (kind,)
     names = {str: "string", int: "integer", dict: "JSON object", list: "list"}
     return " or ".join(names.get(k, k.__name__) for k in kinds)
+
+
+# -- embedding models: pooling and normalization --------------------------------------------
+EMBEDDING_KEY = "embedding"  # present exactly in an embedding model's config
+POOLING_MODES = ("mean", "cls", "last", "max")
+
+
+@dataclass(frozen=True)
+class EmbeddingSettings:
+    """How an embedding model turns token states into one vector, recorded at convert time
+    from its sentence-transformers files: the pooling ("mean" over the text's tokens, "cls" its
+    first token, "last" its last token, "max" per dimension), whether the vector is scaled to
+    unit length, the most tokens of a text (longer ones are truncated or refused), and the
+    vector's size."""
+
+    pooling: str
+    normalize: bool
+    max_tokens: int
+    dimensions: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pooling": self.pooling, "normalize": self.normalize,
+                "max_tokens": self.max_tokens, "dimensions": self.dimensions}
+
+
+def embedding_settings(meta: dict[str, Any]) -> EmbeddingSettings | None:
+    """The embedding settings of a model's config (None: a chat model), checked."""
+    data = meta.get(EMBEDDING_KEY)
+    if data is None:
+        return None
+    where = f"{CONFIG_FILE}: {EMBEDDING_KEY}"
+    if not isinstance(data, dict):
+        raise ModelConfigError(f"{where} is not a JSON object")
+    pooling, normalize = data.get("pooling"), data.get("normalize")
+    if pooling not in POOLING_MODES:
+        raise ModelConfigError(f"{where}.pooling must be one of {', '.join(POOLING_MODES)}, "
+                               f"not {pooling!r}")
+    if not isinstance(normalize, bool):
+        raise ModelConfigError(f"{where}.normalize must be true or false")
+    sizes = {k: data.get(k) for k in ("max_tokens", "dimensions")}
+    for key, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ModelConfigError(f"{where}.{key} must be a positive integer, not {value!r}")
+    return EmbeddingSettings(pooling, normalize, sizes["max_tokens"], sizes["dimensions"])
 
 
 # -- the manifest: every file's size and sha256 -----------------------------------------------

@@ -470,6 +470,39 @@ class Store:
             suffix = Path(library).suffix if Path(library).suffix in md.LIB_SUFFIXES else ".so"
             return md.install_library(model, library, f"{safe_name(library_name)}{suffix}")
 
+    def copy(self, source: str, destination: str) -> StoredModel:
+        """Store the model `source` names (see `find`) again as `destination` (`name`, or
+        `name:quant` with the source's own quantization), as Ollama's `cp` does: both are then
+        listed and run. Files are hard-linked where the filesystem allows (the store never
+        writes a model file in place), else copied; the copy's config carries its new name.
+
+        ModelNotFoundError when nothing is stored as `source`; StoreError for an invalid
+        destination name, another quantization, or a destination that is already stored."""
+        try:
+            matches = self.find(source)
+        except StoreError:
+            matches = []
+        if not matches:
+            raise ModelNotFoundError(f"no model {source!r} in the store")
+        model = _healthy(matches[0])
+        name, _, quant = destination.strip().rpartition(":") if ":" in destination else (
+            destination.strip(), "", "")
+        safe_name(name)  # an invalid name is a StoreError before anything is written
+        quant = quant or model.quantization
+        if quant != model.quantization:
+            raise StoreError(f"cannot copy {model.ref} to {name}:{quant}: a copy keeps its "
+                             f"quantization ({model.quantization})")
+        if any(m.quantization == quant for m in self.find_all(name)):
+            raise StoreError(f"{name}:{quant} is already in the store")
+        with self.lock(model.name, model.quantization), \
+                self.staging(name, quant, repair=model.repair) as tmp:
+            _link_tree(model.path, tmp)
+            md.update_config(tmp, {"name": name})
+        copied = self.get(name, quant)
+        if copied is None:  # staging committed it: only a concurrent removal gets here
+            raise StoreError(f"{name}:{quant} disappeared while it was being copied")
+        return copied
+
     def remove(self, ref: str, quantization: str | None = None, *,
                every_quantization: bool = False) -> list[StoredModel]:
         """Delete what `ref` names (see `find`; every quantization of the name with
@@ -495,6 +528,24 @@ class Store:
             if left is not None:
                 self._keep_a_default(name, left.quantization)
         return matches
+
+
+def _link_tree(source: Path, target: Path) -> None:
+    """The files of model directory `source` under the empty directory `target`: hard links,
+    or copies where linking is refused (another filesystem, a file of another user); hidden
+    files and the manifest (written afresh for the copy) are left out."""
+    for root, dirs, files in os.walk(source, followlinks=True):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        rel = Path(root).relative_to(source)
+        (target / rel).mkdir(mode=md.DIR_MODE, parents=True, exist_ok=True)
+        for name in files:
+            if name.startswith(".") or (rel == Path(".") and name == md.MANIFEST_FILE):
+                continue
+            src, dst = Path(root, name), target / rel / name
+            try:
+                os.link(src, dst)
+            except OSError:
+                shutil.copy2(src, dst)
 
 
 def _healthy(model: StoredModel) -> StoredModel:

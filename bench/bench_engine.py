@@ -19,12 +19,12 @@ Shapes:
 
 For each engine and thread count: prefill tok/s on a 451-token prompt, decode tok/s over 128
 tokens, peak RSS, compile and load time, ratios to llama.cpp at the same thread count; the read
-bandwidth of a compiled streaming sum over 1 GiB, sampled before and after each run (this VM's
-bandwidth follows its neighbours' load), and decode as a fraction of that roofline: weight bytes
-read per token x tok/s / bandwidth (the layers' 4-bit weights, 20 bytes per 32 in q4f32_1,
-q4f32_asym and Q4_1, and the LM head: 4-bit in q4f32_1 and in the 1b shape's all-Q4_1 file, 8-bit
-(34 bytes per 32) in q4f32_asym and in SmolLM2's GGUF, Q8_0). Ours also decodes 1, 4 and 16
-sequences at once
+bandwidth of a compiled streaming sum over 1 GiB (`localchat.engine.membw`, the probe `localchat
+bench` uses too), sampled before and after each run (this VM's bandwidth follows its neighbours'
+load), and decode as a fraction of that roofline: weight bytes read per token x tok/s /
+bandwidth (the layers' 4-bit weights, 20 bytes per 32 in q4f32_1, q4f32_asym and Q4_1, and the
+LM head: 4-bit in q4f32_1 and in the 1b shape's all-Q4_1 file, 8-bit (34 bytes per 32) in
+q4f32_asym and in SmolLM2's GGUF, Q8_0). Ours also decodes 1, 4 and 16 sequences at once
 (`Model.decode` on a list of sequences; tok/s summed over the sequences). Each configuration runs
 in its own process so peak RSS is its own.
 """
@@ -413,16 +413,16 @@ def main() -> None:
         for quant in quants:
             llama_1b_model_dir(quant)
 
-    from bench_rwkv import Bandwidth
+    from localchat.engine.membw import ReadBandwidth
 
-    bw = Bandwidth()
+    bw = ReadBandwidth(1 << 30)
     readers = [q for q in quants if q.startswith("q4")]
     readers += [] if args.skip_llama_cpp else ["llama.cpp"]
 
     def timed(name: str, child_args: list[str], threads: int) -> dict:
-        before = bw.read()
+        before = bw.sample()
         result = child(child_args, threads)
-        result["read_gb_s"] = (before + bw.read()) / 2
+        result["read_gb_s"] = (before + bw.sample()) / 2
         result["name"] = name
         return result
 

@@ -1,8 +1,10 @@
-"""RWKV-4 World 3B shape (hidden 2560, 32 layers, vocab 65 536) with random weights on this CPU:
-decode tok/s, prefill tok/s, peak RSS, and decode as a fraction of the memory roofline.
+"""RWKV-4 World 3B shape (hidden 2560, 32 layers, vocab 65 536) or, with `--arch rwkv7`, the
+RWKV-7 World 2.9B shape (hidden 2560, 40 heads of 64, 32 layers, LoRA ranks 96/96/64/320) with
+random weights on this CPU: decode tok/s, prefill tok/s, peak RSS, and decode as a fraction of
+the memory roofline.
 
-    python bench/bench_rwkv.py [--quant q4f32_1 q0f32] [--layers 32] [--prompt 512]
-                               [--decode 32] [--chunks 64,128,256,512]
+    python bench/bench_rwkv.py [--arch rwkv4|rwkv7] [--quant q4f32_1 q0f32] [--layers 32]
+                               [--prompt 512] [--decode 32] [--chunks 64,128,256,512]
 
 No checkpoint is written: the library is compiled (cached under the user cache dir, in a child
 process so its memory does not count), then every parameter is generated with random values of
@@ -49,6 +51,18 @@ WORLD_3B = {
     "layer_norm_epsilon": 1e-5,
     "rescale_every": 6,
 }
+WORLD_2B9_V7 = {
+    "hidden_size": 2560,
+    "head_size": 64,
+    "intermediate_size": 10240,
+    "num_hidden_layers": 32,
+    "vocab_size": 65536,
+    "decay_low_rank_dim": 96,
+    "a_low_rank_dim": 96,
+    "v_low_rank_dim": 64,
+    "gate_low_rank_dim": 320,
+}
+ARCH = "rwkv4"  # --arch: which shape (set in main and in the child processes)
 
 
 def lib_dir() -> Path:
@@ -65,10 +79,15 @@ def lib_dir() -> Path:
         (engine / "kernels").glob("*.py")
     ):
         h.update(f.read_bytes())
-    return base / "bench" / f"rwkv4-{h.hexdigest()[:12]}"
+    return base / "bench" / f"{ARCH}-{h.hexdigest()[:12]}"
 
 
 def make_config(layers: int, chunk: int):
+    if ARCH == "rwkv7":
+        from localchat.engine.models.rwkv7 import Rwkv7Config
+
+        return Rwkv7Config(**{**WORLD_2B9_V7, "num_hidden_layers": layers},
+                           prefill_chunk_size=chunk)
     from localchat.engine.models.rwkv4 import Rwkv4Config
 
     return Rwkv4Config(**{**WORLD_3B, "num_hidden_layers": layers}, prefill_chunk_size=chunk)
@@ -81,7 +100,7 @@ def compile_lib(quant: str, layers: int) -> tuple[Path, float]:
     from localchat.engine.models import get_architecture
 
     lib = compile_library(
-        get_architecture("rwkv4"),
+        get_architecture(ARCH),
         make_config(layers, 512),
         get_quant_mode(quant),
         cpu_target(),
@@ -101,7 +120,9 @@ class Bandwidth:
         self.a = np.ones(self.SIZE, np.float32)
         self.b = np.empty_like(self.a)
         np.copyto(self.b, self.a)
-        self._read_fn, self._read_args = self._read_kernel()
+        from localchat.engine.membw import ReadBandwidth
+
+        self._reader = ReadBandwidth(self.a.nbytes)
 
     def copy(self) -> float:
         """Bytes moved (read + written) per second copying 1 GiB with numpy, the better of one
@@ -124,45 +145,9 @@ class Bandwidth:
         return best
 
     def read(self) -> float:
-        """Bytes read per second summing 1 GiB in a compiled kernel on all threads."""
-        t0 = time.perf_counter()
-        self._read_fn(*self._read_args)
-        return self.a.nbytes / (time.perf_counter() - t0) / 1e9
-
-    def _read_kernel(self):
-        """A streaming sum: per thread 4 interleaved streams (one stream per core leaves the
-        hardware prefetchers short of work), 16-lane vectors."""
-        import tvm
-        from tvm.script import tirx as T
-
-        from localchat.engine.device import cpu_target
-
-        threads, n, streams = os.cpu_count() or 1, self.SIZE, 4
-        per = n // threads // streams
-
-        @T.prim_func
-        def total(a: T.Buffer((n,), "float32"), out: T.Buffer((threads, 16), "float32")):
-            T.func_attr({"tir.noalias": True, "global_symbol": "main"})
-            for t in T.parallel(threads):
-                acc = T.alloc_buffer((streams, 16), "float32")
-                for u in T.unroll(streams):
-                    for e in T.vectorized(16):
-                        acc[u, e] = T.float32(0)
-                for i in range(per // 16):
-                    for u in T.unroll(streams):
-                        for e in T.vectorized(16):
-                            acc[u, e] = acc[u, e] + a[(t * streams + u) * per + i * 16 + e]
-                for e in T.vectorized(16):
-                    out[t, e] = acc[0, e] + acc[1, e] + acc[2, e] + acc[3, e]
-
-        fn = tvm.compile(tvm.IRModule({"main": total}), target=cpu_target())["main"]
-        dev = tvm.cpu()
-        args = (
-            tvm.runtime.tensor(self.a, dev),
-            tvm.runtime.tensor(np.zeros((threads, 16), np.float32), dev),
-        )
-        fn(*args)
-        return fn, args
+        """Bytes read per second summing 1 GiB in a compiled kernel on all threads (the shared
+        probe, `localchat.engine.membw`)."""
+        return self._reader.sample(1)
 
 
 def random_params(model, dev, seed: int = 0) -> tuple[list, int, int]:
@@ -179,7 +164,10 @@ def random_params(model, dev, seed: int = 0) -> tuple[list, int, int]:
             value = (rng.random(shape, dtype=np.float32) * 0.004 + 0.001).astype(dtype)
         elif name.endswith("time_decay"):
             value = -np.exp(rng.standard_normal(shape, dtype=np.float32))
-        elif "time_mix" in name:
+        elif name.endswith(".w0"):  # RWKV-7 decay pre-activation: slow to fast channels
+            value = rng.uniform(-7, 0, size=shape).astype(dtype)
+        elif "time_mix" in name or name.rsplit(".", 1)[-1] in ("x_r", "x_w", "x_k", "x_v",
+                                                               "x_a", "x_g"):
             value = rng.random(shape, dtype=np.float32).astype(dtype)
         elif name.split(".")[-2].startswith("ln") if "." in name else False:
             value = np.ones(shape, dtype) if name.endswith("weight") else np.zeros(shape, dtype)
@@ -242,7 +230,7 @@ def measure(quant: str, layers: int, prompt_len: int, steps: int, chunks: list[i
     from localchat.engine.models import get_architecture
 
     proc = subprocess.run(
-        [sys.executable, __file__, "--compile-only", quant, str(layers)],
+        [sys.executable, __file__, "--arch", ARCH, "--compile-only", quant, str(layers)],
         capture_output=True,
         text=True,
     )
@@ -251,7 +239,7 @@ def measure(quant: str, layers: int, prompt_len: int, steps: int, chunks: list[i
     path = Path(proc.stdout.strip().splitlines()[-1])
     dev = tvm.cpu()
     vm = relax.VirtualMachine(tvm.runtime.load_module(str(path)), dev)
-    model = get_architecture("rwkv4").build(
+    model = get_architecture(ARCH).build(
         make_config(layers, 512), get_quant_mode(quant), cpu_target()
     )
     t0 = time.perf_counter()
@@ -261,6 +249,7 @@ def measure(quant: str, layers: int, prompt_len: int, steps: int, chunks: list[i
     rng = np.random.default_rng(1)
     prompt = [int(t) for t in rng.integers(1, 65536, prompt_len)]
     result: dict = {
+        "arch": ARCH,
         "quant": quant,
         "layers": layers,
         "weight_bytes": total_bytes,
@@ -320,7 +309,8 @@ def peak_rss_bytes() -> int:
 def run_child(args: list[str]) -> dict:
     """One measurement in a fresh process, so peak RSS is its own."""
     proc = subprocess.run(
-        [sys.executable, __file__, "--measure", *args], capture_output=True, text=True
+        [sys.executable, __file__, "--arch", ARCH, "--measure", *args], capture_output=True,
+        text=True,
     )
     if proc.returncode != 0:
         raise SystemExit(f"measurement {args} failed:\n{proc.stderr[-3000:]}")
@@ -333,6 +323,8 @@ def _spread(rates: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--arch", choices=("rwkv4", "rwkv7"), default="rwkv4",
+                        help="rwkv4: the RWKV-4 World 3B shape; rwkv7: RWKV-7 World 2.9B")
     parser.add_argument("--quant", nargs="+", default=["q4f32_1", "q0f32"])
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--prompt", type=int, default=512)
@@ -344,6 +336,8 @@ def main() -> None:
         "--measure", nargs=5, metavar=("QUANT", "LAYERS", "PROMPT", "DECODE", "CHUNKS")
     )
     args = parser.parse_args()
+    global ARCH
+    ARCH = args.arch
     if args.compile_only:
         path, seconds = compile_lib(args.compile_only[0], int(args.compile_only[1]))
         print(f"compiled in {seconds:.1f} s" if seconds else "cached", file=sys.stderr)
@@ -396,7 +390,7 @@ def main() -> None:
     )
     print()
     print(
-        f"| mode | decode tok/s | ms/token | GB read/token | copy GB/s | of copy roofline "
+        f"| {ARCH} mode | decode tok/s | ms/token | GB read/token | copy GB/s | of copy roofline "
         f"| read GB/s | of read roofline | prefill {args.prompt} tok/s | peak RSS GB |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")

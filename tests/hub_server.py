@@ -68,6 +68,8 @@ class HostedRepo:
     gated: bool = False
     private: bool = False
     tokens: frozenset[str] = frozenset()
+    # a gated repo listed to anyone, only its files refused (as huggingface.co does)
+    listed: bool = False
 
 
 @dataclass
@@ -138,8 +140,10 @@ class _HubHandler(BaseHTTPRequestHandler):
         self._send_json(entry, status, {"error": message},
                         {"X-Error-Code": code, "X-Error-Message": message})
 
-    def _repo(self, entry: LoggedRequest, repo_id: str) -> HostedRepo | None:
-        """The repo if this client may see it, else send the hub's error and return None."""
+    def _repo(self, entry: LoggedRequest, repo_id: str,
+              listing: bool = False) -> HostedRepo | None:
+        """The repo if this client may see it (`listing`: its file list, not a file), else send
+        the hub's error and return None."""
         repo = self.state.repos.get(repo_id)
         token = self._token()
         if repo is None:
@@ -148,6 +152,8 @@ class _HubHandler(BaseHTTPRequestHandler):
         if repo.private and token not in repo.tokens:
             self._error(entry, 401, "RepoNotFound", "Repository not found")
             return None
+        if repo.gated and listing and repo.listed:
+            return repo
         if repo.gated and token is None:
             self._error(entry, 401, "GatedRepo",
                         f"Access to model {repo_id} is restricted. You must have access to it "
@@ -199,7 +205,7 @@ class _HubHandler(BaseHTTPRequestHandler):
 
     def _model_info(self, entry: LoggedRequest, repo_id: str, revision: str,
                     query: dict[str, list[str]]) -> None:
-        repo = self._repo(entry, repo_id)
+        repo = self._repo(entry, repo_id, listing=True)
         if repo is None:
             return
         commit = self._commit(entry, repo, revision)
@@ -236,7 +242,7 @@ class _HubHandler(BaseHTTPRequestHandler):
 
     def _tree(self, entry: LoggedRequest, repo_id: str, revision: str, prefix: str,
               query: dict[str, list[str]]) -> None:
-        repo = self._repo(entry, repo_id)
+        repo = self._repo(entry, repo_id, listing=True)
         if repo is None or self._commit(entry, repo, revision) is None:
             return
         recursive = query.get("recursive", ["false"])[0].lower() in ("1", "true")
@@ -396,8 +402,11 @@ class HubServer:
         gated: bool = False,
         private: bool = False,
         tokens: tuple[str, ...] = (),
+        listed: bool = False,
     ) -> str:
-        """Host a repo from a folder or a {path: bytes} mapping; returns its commit sha."""
+        """Host a repo from a folder or a {path: bytes} mapping; returns its commit sha.
+        `gated`: only `tokens` get it (401 without a token, 403 with another); `listed`: its
+        listing is public, only its files are gated (huggingface.co's way)."""
         if isinstance(files, Path):
             contents = {
                 p.relative_to(files).as_posix(): p.read_bytes()
@@ -416,7 +425,7 @@ class HubServer:
         with self._state.lock:
             self._state.repos[repo_id] = HostedRepo(
                 repo_id, hosted, commit, {revision: commit}, gated=gated, private=private,
-                tokens=frozenset(tokens),
+                tokens=frozenset(tokens), listed=listed,
             )
         return commit
 

@@ -139,6 +139,14 @@ class ReadmeRun:
         if verb == "list":
             assert "smollm2-135m-instruct" in out, out
             return "lists the model"
+        if verb == "bench":
+            rows = [r for r in out.splitlines() if r.strip().startswith("decode, batch")]
+            assert len(rows) == 3 and "of roofline" in out, out + err
+            return rows[0].strip()
+        if verb == "debug":
+            # the offline pull keeps the GGUF's weights exactly: its own source is the reference
+            assert "no layer diverges" in out and "top-1 agreement 100%" in out, out + err
+            return next(line for line in out.splitlines() if line.startswith("logits:"))[:60]
         if verb == "convert":
             output = Path(self.work, argv[argv.index("--output") + 1])
             assert (output / "localchat-config.json").is_file(), out + err
@@ -226,7 +234,8 @@ def readme_run(tmp_path: Path) -> Iterator[ReadmeRun]:
 
 def test_every_readme_command_has_a_check() -> None:
     """Cheap: each `sh` line is a localchat command this file checks, or covered elsewhere."""
-    known = {"", "--model", "--server", "serve", "run", "pull", "list", "convert"}
+    known = {"", "--model", "--server", "serve", "run", "pull", "list", "convert", "bench",
+             "debug"}
     for argv in readme_commands(README.read_text(encoding="utf-8")):
         line = shlex.join(argv)
         if line.startswith(COVERED_ELSEWHERE) or argv[0] == "cd" or argv[:1] == ["."]:

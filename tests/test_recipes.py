@@ -40,7 +40,17 @@ REQUIRED = [
     "qwen2.5-0.5b-instruct", "qwen2.5-1.5b-instruct", "qwen2.5-3b-instruct",
     "llama-3.2-1b-instruct", "llama-3.2-3b-instruct", "mistral-7b-instruct-v0.3",
     "tinyllama-1.1b-chat",
+    # RWKV-7 World and G1 from BlinkDL's .pth (issue 26)
+    "rwkv7-world-0.1b", "rwkv7-world-0.4b", "rwkv7-world-1.5b", "rwkv7-world-2.9b",
+    "rwkv7-g1-1.5b",
+    # embedding models (issue 28)
+    "all-minilm-l6-v2", "bge-small-en-v1.5", "bge-base-en-v1.5", "nomic-embed-text-v1.5",
+    # the new architectures (issue 24)
+    "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "gemma-3-270m-it", "gemma-3-1b-it",
+    "gemma-3-4b-it", "gemma-2-2b-it", "phi-3.5-mini-instruct", "phi-4-mini-instruct",
+    "olmo-2-1b-instruct", "smollm3-3b", "deepseek-r1-distill-qwen-1.5b", "llama-3.1-8b-instruct",
 ]
+EMBEDDING_ARCHITECTURES = ("bert", "nomic_bert")  # full precision by default
 
 
 @pytest.mark.parametrize("path", RECIPE_FILES, ids=lambda p: p.stem)
@@ -49,8 +59,9 @@ def test_every_recipe_file_validates(path: Path) -> None:
     assert validate_recipe(data, path.name) == []
     recipe = load_recipe(path)
     assert recipe.name == path.stem
-    assert recipe.default_quantization("gpu") == "q4f16_1"
-    assert recipe.default_quantization("cpu") == "q4f32_1"
+    embedding = recipe.architecture in EMBEDDING_ARCHITECTURES
+    assert recipe.default_quantization("gpu") == ("q0f16" if embedding else "q4f16_1")
+    assert recipe.default_quantization("cpu") == ("q0f32" if embedding else "q4f32_1")
 
 
 def test_the_issue_names_all_have_recipes() -> None:
@@ -190,5 +201,6 @@ def test_recipe_templates_are_engine_builtins() -> None:
     from localchat.engine.templates import BUILTIN_TEMPLATES
 
     used = {r.template for r in all_recipes().values()}
-    # zephyr (TinyLlama): the repo's own chat_template is used first; a builtin is still to come
-    assert used - set(BUILTIN_TEMPLATES) <= {"zephyr"}
+    # zephyr (TinyLlama), tulu (OLMo 2), deepseek-r1: the repo's own chat_template is used
+    # first; a builtin is still to come
+    assert used - set(BUILTIN_TEMPLATES) <= {"zephyr", "tulu", "deepseek-r1"}

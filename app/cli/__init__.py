@@ -16,13 +16,13 @@ import sys
 from collections.abc import Sequence
 
 from localchat import __version__
-from localchat.cli import convert, debug, doctor, pull, rm, run, serve, show, tui
+from localchat.cli import bench, convert, debug, doctor, pull, rm, run, serve, show, tui
 from localchat.cli import list as list_
 from localchat.cli.common import Handler
 from localchat.errors import LocalchatError
 
 # in the order `--help` lists them
-VERBS = (convert, run, pull, list_, rm, show, doctor, serve, debug)
+VERBS = (convert, run, pull, list_, rm, show, bench, doctor, serve, debug)
 
 
 def build_parser() -> argparse.ArgumentParser:

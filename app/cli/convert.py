@@ -1,5 +1,5 @@
-"""`localchat convert`: build a model directory from an HF folder or a .gguf file (and compile
-it)."""
+"""`localchat convert`: build a model directory from an HF folder, a .gguf file or a BlinkDL
+RWKV .pth file (and compile it)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from localchat.errors import LocalchatError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("convert", help="build a model directory from an HF folder or a .gguf")
-    p.add_argument("source", help="HF model folder (config.json + weights + tokenizer) or a "
-                   ".gguf file (Llama architecture)")
+    p = sub.add_parser("convert", help="build a model directory from an HF folder, a .gguf or "
+                       "an RWKV .pth")
+    p.add_argument("source", help="HF model folder (config.json + weights + tokenizer), a "
+                   ".gguf file (Llama architecture) or a BlinkDL RWKV-4/RWKV-7 .pth file")
     p.add_argument("--quant", default=None,
                    help="q0f32, q0f16, q4f32_1, q4f16_1, q4f32_asym or q4f16_asym (default: "
                    "q4f32_1; for a Q4_1 .gguf on the CPU q4f32_asym, which holds its weights "
@@ -52,6 +53,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
             from localchat.engine import select_device
 
             quant = gguf_default_quantization(source, select_device(args.device).kind)
+    elif source.is_file() and source.suffix.lower() == ".pth":
+        pass  # a BlinkDL RWKV checkpoint: its version is told (or refused) by convert_source
     else:
         read_hf_config(source)  # a folder that is no model fails on that first
         if not has_tokenizer(source):

@@ -65,7 +65,13 @@ def pull_with_progress(ref: str, *, device: str = "auto", quantization: str | No
                        force: bool = False) -> Any:
     """Pull `ref` into the store with the usual progress on stderr (device, downloads with their
     bytes, convert and compile steps, notes); the PullResult."""
-    from localchat.downloader import RichProgress, engine_hooks, parse_source, pull
+    from localchat.downloader import (
+        RichProgress,
+        engine_hooks,
+        parse_source,
+        pull,
+        pull_with_token_prompt,
+    )
 
     parse_source(ref)  # an unknown name fails before the engine (TVM) is loaded
     out = console()
@@ -84,8 +90,10 @@ def pull_with_progress(ref: str, *, device: str = "auto", quantization: str | No
         reason = auto_device_reason()
         picked += " picked by --device auto" + (f" ({reason})" if reason else "")
     out.print(picked, markup=False, highlight=False)
-    result = pull(ref, hooks=with_steps(hooks, out), store=store, quantization=quantization,
-                  force=force, progress=RichProgress(out), log=log)
+    # a gated repo and no token: on a terminal, name the licence, ask a token, pull again
+    result = pull_with_token_prompt(ref, lambda hub: pull(
+        ref, hooks=with_steps(hooks, out), store=store, hub=hub, quantization=quantization,
+        force=force, progress=RichProgress(out), log=log), say=log)
     for note in result.notes:
         log(note)
     return result

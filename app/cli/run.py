@@ -227,6 +227,22 @@ def cmd_run(args: argparse.Namespace) -> int:
         engine.close()
 
 
+def _refuse_embedding_model(ref: str) -> None:
+    """`run` chats: an embedding model is refused before its library is compiled or loaded."""
+    from localchat import model_dir as md
+    from localchat.cli.common import open_store
+
+    path = Path(ref).expanduser()
+    try:
+        meta = md.read_config(path if md.is_model_dir(path) else open_store().resolve(ref))
+    except LocalchatError:
+        return  # Engine.open reports what is wrong with it
+    if md.EMBEDDING_KEY in meta:
+        raise InvalidRequestError(
+            f"{ref} is an embedding model: it turns text into vectors (serve it and call "
+            f"/v1/embeddings or /api/embed, or use Engine.embed) and cannot chat", "model")
+
+
 def _open_engine(args: argparse.Namespace, options: dict[str, Any]) -> Any:
     """The engine for `args.model`; Engine.open raises user errors before the model loads."""
     from localchat import Engine  # imports TVM: only once a message is there
@@ -236,6 +252,7 @@ def _open_engine(args: argparse.Namespace, options: dict[str, Any]) -> Any:
 
     configure_threads(args.threads)
     model = ensure_local_model(args.model, args.device)  # `run` pulls a missing model first
+    _refuse_embedding_model(model)
 
     try:
         return Engine.open(

@@ -10,6 +10,9 @@ from `localchat.downloader`, never from a module under it:
   `pull` calls them: an `EngineHooks`);
 - progress (`downloader/progress.py`): `DownloadProgress` (the protocol `pull` reports to),
   `NullProgress` (reports nothing), `RichProgress` (progress bars on a terminal);
+- gated repos (`downloader/gated.py`): `pull_with_token_prompt` (a pull that, refused by a
+  gated repo for want of a token, names the licence and its page and asks a person at the
+  terminal for a token; elsewhere one line saying to set HF_TOKEN);
 - the hub (`downloader/hub.py`): `HubClient` (listings and verified, resumable downloads),
   `RepoSnapshot` and `RepoFile` (a repo's listing), `hub_offline` (whether HF_HUB_OFFLINE is
   on, read now);
@@ -30,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from localchat._lazy import lazy_getattr
 
 if TYPE_CHECKING:
+    from localchat.downloader.gated import pull_with_token_prompt
     from localchat.downloader.hub import HubClient, RepoFile, RepoSnapshot, hub_offline
     from localchat.downloader.progress import DownloadProgress, NullProgress, RichProgress
     from localchat.downloader.pull import (
@@ -48,6 +52,7 @@ _LAZY = {
     "engine_hooks": "localchat.downloader.pull",
     "parse_source": "localchat.downloader.pull",
     "pull": "localchat.downloader.pull",
+    "pull_with_token_prompt": "localchat.downloader.gated",
     "DownloadProgress": "localchat.downloader.progress",
     "NullProgress": "localchat.downloader.progress",
     "RichProgress": "localchat.downloader.progress",
@@ -74,6 +79,7 @@ __all__ = [
     "human_size",
     "parse_source",
     "pull",
+    "pull_with_token_prompt",
 ]
 
 

@@ -34,6 +34,7 @@ from huggingface_hub.errors import HTTPError as _TransportHTTPError
 from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
 from localchat.downloader.files import is_code, is_safe_path
+from localchat.downloader.gated import GatedAccessError
 from localchat.downloader.progress import DownloadProgress, NullProgress
 from localchat.downloader.space import human_size
 from localchat.errors import (
@@ -183,16 +184,8 @@ class HubClient:
         if not isinstance(exc, HfHubHTTPError):
             return None
         status = exc.response.status_code if exc.response is not None else None
-        if isinstance(exc, GatedRepoError):
-            if status == 403:
-                return AccessDeniedError(
-                    f"{repo_id} is a gated repo and your token has no access (HTTP 403): "
-                    f"request access at {page}, or {login} with an account that has it"
-                )
-            return AccessDeniedError(
-                f"{repo_id} is a gated repo (HTTP {status}): accept its terms at {page}, "
-                f"then {login}"
-            )
+        if isinstance(exc, GatedRepoError):  # gated.py names the licence, may ask a token
+            return GatedAccessError.from_status(repo_id, page, status)
         if isinstance(exc, RevisionNotFoundError):
             return RemoteNotFoundError(f"revision {revision!r} not found in {repo_id} (HTTP 404)")
         if isinstance(exc, RemoteEntryNotFoundError):

@@ -46,6 +46,9 @@ from localchat.recipes import REPO_ID_RE, Recipe, all_recipes, resolve_recipe
 from localchat.store import Store, StoredModel, safe_name
 
 MODEL_CONFIG = md.CONFIG_FILE
+# an embedding model's sentence-transformers files (modules.json first: it names the others)
+SENTENCE_TRANSFORMERS_FILES = ("modules.json", "sentence_bert_config.json",
+                               "config_sentence_transformers.json")
 
 Log = Callable[[str], None]
 CheckConfigFn = Callable[[dict[str, Any]], str]
@@ -395,6 +398,7 @@ class _Puller:
             raise ModelConfigError(f"{snapshot.repo_id}: config.json is not JSON: {exc}") from None
         self._check_config(hf_config, snapshot.repo_id)
         self._fetch(snapshot, meta[1:], dest)
+        self._fetch_sentence_transformers(snapshot, dest)
         index_name = repo_files.weight_index_file(snapshot.paths)
         index = None
         if index_name:
@@ -407,6 +411,29 @@ class _Puller:
                           self.recipe.disk_mb * 1_000_000 if not self.recipe.is_adhoc else 0)
         check_free_space({dest: missing, self.store.models_dir: model_bytes}, self.reserve_bytes)
         self._fetch(snapshot, weights, dest)
+
+    def _fetch_sentence_transformers(self, snapshot: RepoSnapshot, dest: Path) -> None:
+        """An embedding model's sentence-transformers files (its pooling and normalization),
+        when the repo has them: modules.json and the configs, then the config.json of each
+        Pooling / Normalize module it names."""
+        present = set(snapshot.paths)
+        top = [p for p in SENTENCE_TRANSFORMERS_FILES if p in present]
+        if not top:
+            return
+        self._fetch(snapshot, top, dest)
+        modules_file = dest / SENTENCE_TRANSFORMERS_FILES[0]
+        try:
+            modules = json.loads(modules_file.read_text(encoding="utf-8")) \
+                if modules_file.is_file() else []
+        except ValueError as exc:
+            raise ModelConfigError(f"{snapshot.repo_id}: modules.json is not JSON: {exc}") \
+                from None
+        wanted = [f"{m['path']}/config.json" for m in modules if isinstance(m, dict)
+                  and str(m.get("type", "")).endswith((".Pooling", ".Normalize"))
+                  and isinstance(m.get("path"), str) and m["path"]]
+        found = [p for p in wanted if p in present and repo_files.is_safe_path(p)]
+        if found:
+            self._fetch(snapshot, found, dest)
 
     def _check_config(self, hf_config: dict[str, Any], repo: str) -> None:
         if not isinstance(hf_config, dict):

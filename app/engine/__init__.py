@@ -21,6 +21,8 @@ from a module under it:
   library for a target), `target_key` (a target's short name) and `library_status` (whether
   each stored model has this device's library, cached between runs so `list` needs no TVM);
 - `Model` (`engine/runtime.py`): a model directory loaded (compiled if needed) on a device;
+- `run_benchmark` (`engine/benchmark.py`): `localchat bench`'s measurement, returning a
+  `BenchResult`; `check_bench_options` (its options checked before a model is pulled);
 - `debug_model` (`engine/debug/`): `localchat debug`'s layer-by-layer comparison with a
   reference, returning a `DebugReport`; `DEBUG_PROMPT` is its default prompt;
 - `resolve_template` (`engine/templates.py`): the chat template to use (a name, else the
@@ -41,6 +43,7 @@ from typing import TYPE_CHECKING
 from localchat._lazy import lazy_getattr
 
 if TYPE_CHECKING:
+    from localchat.engine.benchmark import BenchResult, check_bench_options, run_benchmark
     from localchat.engine.build import (
         convert_source,
         gguf_default_quantization,
@@ -91,6 +94,9 @@ _LAZY = {
     "read_hf_config": "localchat.engine.build.convert",
     "get_quant_mode": "localchat.engine.build.quantization",
     "Model": "localchat.engine.runtime",
+    "BenchResult": "localchat.engine.benchmark",
+    "run_benchmark": "localchat.engine.benchmark",
+    "check_bench_options": "localchat.engine.benchmark",
     "resolve_template": "localchat.engine.templates",
     "debug_model": "localchat.engine.debug",
     "DEBUG_PROMPT": "localchat.engine.debug",
@@ -103,10 +109,12 @@ __all__ = [
     "DEBUG_PROMPT",
     "DEVICE_KINDS",
     "DebugReport",
+    "BenchResult",
     "Model",
     "ThreadCountError",
     "add_threads_argument",
     "backend_supported",
+    "check_bench_options",
     "configure_threads",
     "convert_source",
     "debug_model",
@@ -124,6 +132,7 @@ __all__ = [
     "physical_cores",
     "read_hf_config",
     "resolve_template",
+    "run_benchmark",
     "select_device",
     "target_key",
 ]

@@ -8,13 +8,15 @@
 `Engine` owns the model, its conversation template and stops, and the scheduler thread that
 generates every active reply together (scheduler.py). `Conversation.send`, `Engine.chat`
 (stateless, for a server) and `Engine.complete` (raw text) all return a `ReplyStream`.
+`Engine.open` on an embedding model gives an `embedding.EmbeddingEngine`, whose `embed` returns
+vectors and whose chat entry points say it cannot chat.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from localchat import model_dir as md
 from localchat.engine.conversation import Conversation
@@ -33,6 +35,9 @@ from localchat.engine.scheduler import Request, Scheduler, SequenceOwner
 from localchat.engine.stream import ReplyStream
 from localchat.engine.templates import ConversationTemplate, Message, resolve_template
 from localchat.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from localchat.engine.embedding import Embeddings
 
 
 def resolve_model_dir(ref: str | Path) -> Path:
@@ -180,6 +185,11 @@ class Engine:
         """
         model_dir = resolve_model_dir(ref)
         meta = md.load_config(model_dir)
+        if md.embedding_settings(meta) is not None:
+            # an embedding model: no template, window or generation options apply
+            from localchat.engine.embedding import EmbeddingEngine
+
+            return EmbeddingEngine.open_dir(model_dir, device=device, log=log)
         base = config or GenerationConfig.from_model_defaults(model_dir)
         cfg = base.replace(**dict(options)) if options else base.validate()
         cfg.validate(meta.get("vocab_size"))
@@ -269,6 +279,19 @@ class Engine:
         request = self.make_request(plan, cfg, stop_token_ids=frozenset(self.model.eos_token_ids))
         request.stop_strings = cfg.stop
         return self.scheduler.submit(request)
+
+    @property
+    def is_embedding(self) -> bool:
+        """Whether this engine embeds (an embedding model) rather than chats."""
+        return False
+
+    def embed(self, inputs: Any, *, dimensions: int | None = None,
+              truncate: bool = True) -> Embeddings:
+        """Vectors of texts: only an embedding model's engine makes them (see
+        `engine.embedding.EmbeddingEngine.embed`); a chat model raises InvalidRequestError."""
+        raise InvalidRequestError(
+            f"{self.name} is a chat model and makes no embeddings: open an embedding model "
+            f"(e.g. all-minilm-l6-v2) for vectors", "model")
 
     def count_tokens(
         self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None = None

@@ -144,12 +144,25 @@ class Model:
 
     # -- loading ---------------------------------------------------------------------------
     def _function_names(self) -> list[str]:
+        if self.is_encoder:
+            return ["encode"]  # models/export.py's encoder_spec
         return ["embed", "prefill", "decode", "batch_prefill", "batch_decode"]
+
+    @property
+    def is_encoder(self) -> bool:
+        """Whether this is a text encoder (embeddings, `engine.embedding`), not a decoder."""
+        return self.arch.state == "encoder"
+
+    def function(self, name: str) -> Any:
+        """One of the library's exported functions, by name (called with `self.params` last)."""
+        return self._f[name]
 
     def _load_params(self) -> Any:
         return load_params(self.model_dir, self.meta["param_names"], self.dev)
 
     def _create_state(self) -> Any:
+        if self.is_encoder:
+            return None  # an encoder keeps nothing between calls
         if self.arch.state == "rnn":
             return self.vm["create_rnn_state"](
                 ShapeTuple([self.max_batch_size]), ShapeTuple([RNN_HISTORY])

@@ -7,6 +7,8 @@ import asyncio
 import hmac
 import json
 import logging
+import re
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -16,7 +18,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from localchat import __version__
-from localchat.server import errors, ollama_api, openai_api
+from localchat.server import (
+    embeddings_api,
+    errors,
+    messages_api,
+    ollama_api,
+    openai_api,
+    responses_api,
+)
 from localchat.server.config import ServerConfig
 from localchat.server.errors import APIError, error_body
 from localchat.server.listen import ROOT_TEXT, display_address, listen
@@ -25,11 +34,41 @@ from localchat.server.pool import ModelPool
 from localchat.server.state import ServerState, state_of
 
 log = logging.getLogger("localchat.server")
+access_log = logging.getLogger("localchat.server.access")
 OPEN_PATHS = ("/", "/health")  # `/` is the heartbeat Ollama's clients send
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
           "/tokenize", "/detokenize", "/api/chat", "/api/generate", "/api/tags", "/api/show",
-          "/api/ps", "/api/version", "/api/pull")
+          "/api/ps", "/api/version", "/api/pull", "/v1/responses", "/v1/messages",
+          "/v1/messages/count_tokens", "/api/copy", "/api/delete", "/v1/embeddings",
+          "/api/embed", "/api/embeddings")
 REAP_EVERY_S = 5.0
+ACCESS_BODY_BYTES = 64 * 1024  # of a body read for the access log's model name
+_MODEL_FIELD = re.compile(rb'"(?:model|name|source)"\s*:\s*"((?:[^"\\]|\\.){1,200})"')
+
+
+def printable(text: str, limit: int = 200) -> str:
+    """`text` for a log line: control characters escaped (no forged lines), at most `limit`."""
+    text = text if len(text) <= limit else text[:limit] + "..."
+    return re.sub(r"[\x00-\x1f\x7f]", lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+def model_of(path: str, body: bytes) -> str:
+    """The model a request names, for the access log: its JSON body's `model` (`name`,
+    `source`), or the id of `/v1/models/{id}`; "-" when none."""
+    if path.startswith("/v1/models/"):
+        return path[len("/v1/models/"):] or "-"
+    if not body:
+        return "-"
+    try:
+        data = json.loads(body)
+    except ValueError:  # cut at ACCESS_BODY_BYTES, or not JSON: the first field that says
+        match = _MODEL_FIELD.search(body)
+        return match.group(1).decode("utf-8", "replace") if match else "-"
+    if isinstance(data, dict):
+        for key in ("model", "name", "source"):
+            if isinstance(data.get(key), str) and data[key]:
+                return data[key]
+    return "-"
 
 
 def route_label(path: str) -> str:
@@ -55,6 +94,9 @@ class Guard:
             return
         path, method = scope["path"], scope["method"]
         status = [500]
+        started = time.perf_counter()
+        head = bytearray()  # the body's start, for the access log
+        logging_requests = self.config.log_requests
 
         async def send_status(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -72,6 +114,8 @@ class Guard:
                 message = await receive()
                 if message["type"] == "http.request":
                     seen[0] += len(message.get("body", b""))
+                    if logging_requests and len(head) < ACCESS_BODY_BYTES:
+                        head.extend(message.get("body", b"")[:ACCESS_BODY_BYTES - len(head)])
                     if seen[0] > limit:
                         raise APIError(413, f"the request body exceeds {limit} bytes")
                 return message
@@ -79,6 +123,12 @@ class Guard:
             await self.app(scope, limited_receive, send_status)
         finally:
             self.metrics.request_done(method, route_label(path), status[0])
+            if logging_requests:  # once the response has ended (a stream's last byte too)
+                client = scope.get("client")
+                access_log.info("%s \"%s %s\" %d %.3fs model=%s",
+                                f"{client[0]}:{client[1]}" if client else "-", method,
+                                printable(path), status[0], time.perf_counter() - started,
+                                printable(model_of(path, bytes(head))))
 
     def _check(self, scope: Scope) -> APIError | None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1")
@@ -87,10 +137,13 @@ class Guard:
         if key and scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
             auth = headers.get("authorization", "")
             scheme, _, token = auth.partition(" ")
-            if not auth:
+            x_key = headers.get("x-api-key")  # where Anthropic's clients send the key
+            if not auth and x_key is None:
                 return APIError(401, "missing API key: send 'Authorization: Bearer <key>'")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                                     key.encode()):
+            bearer = scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+                                                                        key.encode())
+            if not bearer and not (x_key is not None and hmac.compare_digest(
+                    x_key.strip().encode(), key.encode())):
                 return APIError(401, "incorrect API key provided")
         length = headers.get("content-length")
         if length is not None:
@@ -136,6 +189,9 @@ def create_app(config: ServerConfig | None = None, pool: ModelPool | None = None
     errors.install(app)
     app.include_router(openai_api.router)
     app.include_router(ollama_api.router)
+    app.include_router(embeddings_api.router)
+    app.include_router(responses_api.router)
+    app.include_router(messages_api.router)
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:

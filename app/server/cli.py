@@ -10,7 +10,13 @@ from collections.abc import Sequence
 
 from localchat.engine import add_threads_argument, configure_threads
 from localchat.errors import InvalidRequestError, LocalchatError
-from localchat.server.config import DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAULT_PORT, ServerConfig
+from localchat.server.config import (
+    DEFAULT_HOST,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_PORT,
+    ServerConfig,
+    parse_duration,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,6 +39,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                    help=f"largest request body (default {DEFAULT_MAX_BODY_BYTES})")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, metal or vulkan")
+    p.add_argument("--keep-alive", default="5m", metavar="DURATION",
+                   help="how long a model loaded on first use stays loaded when idle, unless a "
+                        "request's keep_alive says otherwise (default 5m; -1: forever)")
+    p.add_argument("--context-length", type=int, default=None, metavar="N",
+                   help="context window models run with unless a request's options.num_ctx "
+                        "says otherwise (default: each model's own; clamped to it)")
+    p.add_argument("--log-requests", action="store_true",
+                   help="log one line per request: method, path, status, duration, model")
     add_threads_argument(p)
 
 
@@ -43,12 +57,18 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         low = 0 if name in ("port", "max_queue") else 1
         if value < low:
             raise InvalidRequestError(f"--{name.replace('_', '-')} must be >= {low}", name)
+    context_length = getattr(args, "context_length", None)
+    if context_length is not None and context_length < 2:
+        raise InvalidRequestError("--context-length must be >= 2", "context_length")
+    keep_alive = parse_duration(getattr(args, "keep_alive", "5m"), "--keep-alive")
     configure_threads(getattr(args, "threads", None))  # before any model loads
     return ServerConfig(host=args.host, port=args.port, models=list(args.model),
                         api_key=args.api_key, cors_origins=list(args.cors_origin),
                         max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                         max_loaded=args.max_models, max_body_bytes=args.max_body_bytes,
-                        device=args.device)
+                        device=args.device, keep_alive=keep_alive,
+                        context_length=context_length,
+                        log_requests=bool(getattr(args, "log_requests", False)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

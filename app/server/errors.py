@@ -48,9 +48,16 @@ def is_ollama(path: str) -> bool:
 
 
 def error_body(error: LocalchatError, path: str) -> dict[str, Any]:
-    """The JSON body for `error` on `path`."""
+    """The JSON body for `error` on `path`: Ollama's, Anthropic's (`/v1/messages`) or
+    OpenAI's shape."""
     if is_ollama(path):
         return {"error": str(error)}
+    if path.startswith("/v1/messages"):
+        from localchat.server.messages_events import ERROR_TYPES
+
+        status = int(getattr(error, "http_status", 500) or 500)
+        return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"),
+                                           "message": str(error)}}
     return {"error": error.to_dict()}
 
 

@@ -1,6 +1,13 @@
 """Prometheus text metrics of the server: requests by route and status, tokens in and out,
-time-to-first-token and inter-token latency histograms, and (read at scrape time from each
-loaded engine) queue depth, running sequences, KV cache use and the prefix cache's hits."""
+time-to-first-token and inter-token latency histograms, per model the engine's own timings of
+each reply (`ReplyStats`: the last reply's prefill and decode speed and time to first token as
+gauges, and the seconds spent prefilling and decoding as counters, so that
+`rate(localchat_generation_tokens_total[5m]) / rate(localchat_decode_seconds_total[5m])` is the
+decode speed over time), and (read at scrape time from each loaded engine) queue depth, running
+sequences, KV cache use and the prefix cache's hits.
+
+Names follow Prometheus' conventions: a `localchat_` prefix, base units (seconds) in the name,
+`_total` on counters and only on counters, rates spelt `_tokens_per_second`."""
 
 from __future__ import annotations
 
@@ -8,7 +15,10 @@ import bisect
 import threading
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from localchat import ReplyStats
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -51,19 +61,39 @@ class Metrics:
         self.cancelled: dict[str, int] = defaultdict(int)
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
+        # per model, from the engine's ReplyStats: the last reply's rates, and time counters
+        self.last_prefill_tok_s: dict[str, float] = {}
+        self.last_decode_tok_s: dict[str, float] = {}
+        self.last_ttft_s: dict[str, float] = {}
+        self.prefill_seconds: dict[str, float] = defaultdict(float)
+        self.decode_seconds: dict[str, float] = defaultdict(float)
 
     def request_done(self, method: str, route: str, status: int) -> None:
         with self._lock:
             self.requests[(method, route, status)] += 1
 
     def reply_done(
-        self, model: str, prompt_tokens: int, completion_tokens: int, cancelled: bool
+        self, model: str, prompt_tokens: int, completion_tokens: int, cancelled: bool,
+        stats: ReplyStats | None = None,
     ) -> None:
+        """Count a finished reply; with its `stats`, record its engine-side timings too (a
+        speed that was not measured, 0, leaves the last one in place)."""
         with self._lock:
             self.prompt_tokens[model] += prompt_tokens
             self.completion_tokens[model] += completion_tokens
             if cancelled:
                 self.cancelled[model] += 1
+            if stats is None:
+                return
+            if stats.prefill_tok_s > 0:
+                self.last_prefill_tok_s[model] = stats.prefill_tok_s
+                self.prefill_seconds[model] += stats.prompt_tokens / stats.prefill_tok_s
+            if stats.decode_tok_s > 0:
+                self.last_decode_tok_s[model] = stats.decode_tok_s
+                # the decode speed counts the tokens after the first (which prefill produced)
+                self.decode_seconds[model] += (stats.completion_tokens - 1) / stats.decode_tok_s
+            if stats.ttft_s > 0:
+                self.last_ttft_s[model] = stats.ttft_s
 
     def observe_ttft(self, seconds: float) -> None:
         with self._lock:
@@ -113,6 +143,25 @@ class Metrics:
                 "Time between consecutive tokens of a reply.",
             )
             out.extend(self.itl.lines("localchat_inter_token_latency_seconds"))
+            for name, kind, text, values in (
+                ("localchat_prefill_seconds_total", "counter",
+                 "Engine time spent prefilling prompts.", self.prefill_seconds),
+                ("localchat_decode_seconds_total", "counter",
+                 "Engine time spent decoding tokens after each reply's first.",
+                 self.decode_seconds),
+                ("localchat_last_prefill_tokens_per_second", "gauge",
+                 "Prefill speed of the model's last reply (prompt tokens / prefill time).",
+                 self.last_prefill_tok_s),
+                ("localchat_last_decode_tokens_per_second", "gauge",
+                 "Decode speed of the model's last reply (tokens after the first / their time).",
+                 self.last_decode_tok_s),
+                ("localchat_last_time_to_first_token_seconds", "gauge",
+                 "Time to first token of the model's last reply, in the engine.",
+                 self.last_ttft_s),
+            ):
+                head(name, kind, text)
+                for model, value in sorted(values.items()):
+                    out.append(f'{name}{{model="{_esc(model)}"}} {value}')
         gauges = {
             "localchat_queue_depth": "Requests waiting for a sequence slot.",
             "localchat_running_sequences": "Requests being prefilled or decoded.",

@@ -1,5 +1,12 @@
 """The Ollama-compatible routes under /api: chat and generate (NDJSON streaming), tags, show,
-ps, version and pull. Errors are `{"error": "message"}` (see errors.py)."""
+ps, version, pull, copy and delete. Errors are `{"error": "message"}` (see errors.py).
+
+Where we differ from Ollama on purpose: a prompt that does not fit the context window is
+refused (400, with the token counts) unless the request says `"truncate": true` (top level or in
+`options`): then the oldest turns are dropped, and the response says so in its
+`X-Localchat-Truncated-Tokens` header. `options.num_ctx` over the model's window is clamped to it
+(and logged), as Ollama does; the model is reloaded when a request asks for another window.
+"""
 
 from __future__ import annotations
 
@@ -7,20 +14,33 @@ import asyncio
 import hashlib
 import json
 import logging
-import re
 import threading
 import time
 from collections.abc import AsyncIterator
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from localchat import FinishEvent, TokenEvent, __version__
-from localchat.errors import InvalidRequestError, LocalchatError, ModelNotFoundError
+from localchat.errors import (
+    ContextWindowError,
+    InvalidRequestError,
+    LocalchatError,
+    ModelNotFoundError,
+    StoreError,
+)
 from localchat.server import protocol as p
-from localchat.server.openai_api import ToolPlan, uses_tools
+from localchat.server.config import FOREVER_S, parse_duration
+from localchat.server.openai_api import (
+    ToolPlan,
+    Truncation,
+    fit_messages,
+    truncation_headers,
+    uses_tools,
+)
 from localchat.server.pool import LoadedModel
 from localchat.server.state import ServerState, read_body, state_of
 from localchat.server.streaming import (
@@ -36,7 +56,7 @@ from localchat.server.tools import call_format, check_tools, parse_calls, stream
 router = APIRouter(prefix="/api")
 log = logging.getLogger("localchat.server")
 NDJSON = "application/x-ndjson"
-FAR_FUTURE = "2318-08-01T00:00:00Z"
+TENSOR_CACHE = "tensor-cache.json"  # the weights' index: each tensor's name, shape and type
 
 
 def now_iso() -> str:
@@ -48,22 +68,46 @@ def iso(ts: float) -> str:
 
 
 def keep_alive_seconds(value: float | str | None) -> float | None:
-    """Ollama's keep_alive (seconds, or "5m", "1h30m", "-1") in seconds; None when unset."""
+    """Ollama's keep_alive (seconds, or "5m", "1h30m", "-1") in seconds (-1.0: forever); None
+    when unset."""
     if value is None:
         return None
-    if isinstance(value, (int, float)):
-        return float(value)
-    text = value.strip()
-    try:
-        return float(text)
-    except ValueError:
-        pass
-    parts = re.findall(r"(-?\d+(?:\.\d+)?)(ms|s|m|h)", text)
-    if not parts or "".join(a + b for a, b in parts) != text:
-        raise InvalidRequestError(f"keep_alive: cannot parse {value!r} as a duration",
-                                  "keep_alive")
-    scale = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
-    return sum(float(a) * scale[b] for a, b in parts)
+    return parse_duration(value, "keep_alive")
+
+
+def expiry_iso(expires_at: float | None) -> str:
+    """/api/ps's `expires_at`: when the model will be unloaded; for a model kept forever, what
+    Ollama says (its largest duration from now, some 292 years ahead; its CLI shows
+    "Forever")."""
+    return iso(time.time() + FOREVER_S if expires_at is None else expires_at)
+
+
+def checked_name(ref: str | None, param: str = "model") -> str:
+    """A model name from a management request (delete, copy): a 400 naming the problem when
+    it is missing or could name a path (`..`, a leading `/`, `.` or `~`, a backslash) instead of
+    a stored model."""
+    if not isinstance(ref, str) or not ref.strip():
+        raise InvalidRequestError(f"{param} is required", param)
+    name = ref.strip()
+    bare, _, quant = name.rpartition(":") if ":" in name else (name, "", "")
+    segments = bare.split("/")
+    problem = ""
+    if name.startswith(("/", "~", ".")) or any(s in (".", "..") for s in segments):
+        problem = "a model name is not a path"
+    elif any(c in name for c in "\\\0") or any(ord(c) < 32 for c in name):
+        problem = "it holds a backslash or a control character"
+    else:
+        try:
+            from localchat.store import safe_name
+
+            safe_name(bare)
+            if ":" in name:
+                safe_name(quant)
+        except StoreError:
+            problem = "use letters, digits, '-', '_' and '.' (`name` or `name:quant`)"
+    if problem:
+        raise InvalidRequestError(f"invalid model name {ref!r}: {problem}", param)
+    return name
 
 
 def options(opts: p.OllamaOptions | None) -> dict[str, Any]:
@@ -111,11 +155,52 @@ def format_override(fmt: Any) -> dict[str, Any]:
                               "format")
 
 
-def details(config: dict[str, Any], quant: str) -> dict[str, Any]:
+_PARAMETER_COUNTS: dict[tuple[Path, float], int] = {}
+
+
+def parameter_count(path: Path) -> int:
+    """The number of weights of a model directory, from its tensor index: 4-bit weights are
+    packed eight to a uint32 word, group scales and mins are not weights (0 when unreadable)."""
+    index = path / TENSOR_CACHE
+    try:
+        key = (path, index.stat().st_mtime)
+    except OSError:
+        return 0
+    if key not in _PARAMETER_COUNTS:
+        total = 0
+        try:
+            shards = json.loads(index.read_text(encoding="utf-8"))["records"]
+            for record in (r for shard in shards for r in shard["records"]):
+                if str(record["name"]).endswith((".scale", ".min", ".zero")):
+                    continue
+                count = 1
+                for dim in record["shape"]:
+                    count *= int(dim)
+                total += count * (8 if record.get("dtype") == "uint32" else 1)
+        except (OSError, ValueError, KeyError, TypeError):
+            total = 0
+        _PARAMETER_COUNTS[key] = total
+    return _PARAMETER_COUNTS[key]
+
+
+def parameter_size(count: int) -> str:
+    """A parameter count as Ollama shows it: "135M", "1.2B", "8B" ("" when unknown)."""
+    if count <= 0:
+        return ""
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if count >= scale:
+            value = count / scale
+            text = f"{value:.0f}" if value >= 100 else f"{value:.1f}".removesuffix(".0")
+            return text + unit
+    return str(count)
+
+
+def details(config: dict[str, Any], quant: str, path: Path | None = None) -> dict[str, Any]:
     arch = str(config.get("architecture") or "unknown")
+    size = str(config.get("parameter_size") or "") or (
+        parameter_size(parameter_count(path)) if path is not None else "")
     return {"parent_model": "", "format": "tvm", "family": arch, "families": [arch],
-            "parameter_size": str(config.get("parameter_size") or ""),
-            "quantization_level": quant}
+            "parameter_size": size, "quantization_level": quant}
 
 
 def digest(text: str) -> str:
@@ -147,16 +232,52 @@ def _with_calls(chunk: dict[str, Any], calls: list[Any]) -> dict[str, Any]:
     return {**chunk, "message": message}
 
 
+def wants_truncation(body: p.OllamaBase) -> bool:
+    """Whether a request allows dropping its oldest turns to fit the window (`truncate`, at the
+    top level or in `options`)."""
+    return bool(body.truncate) or bool(body.options is not None and body.options.truncate)
+
+
+def context_error(exc: ContextWindowError, loaded: LoadedModel, limit: int, truncate: bool,
+                  turns: bool = True) -> ContextWindowError:
+    """The 400 for a prompt the window cannot hold: the counts, and what could make it fit."""
+    window = exc.context_window or loaded.context_window
+    if truncate and turns:
+        hint = "even with the oldest turns dropped; shorten the last message"
+    elif truncate:
+        hint = "and a single prompt has no earlier turns that truncate could drop; shorten it"
+    elif turns:
+        hint = 'shorten the messages, or send "truncate": true to drop the oldest turns'
+    else:
+        hint = "shorten the prompt"
+    if window < limit:
+        hint += f", or raise options.num_ctx (this model takes up to {limit})"
+    room = "" if truncate and turns else " with room for the reply"
+    return ContextWindowError(
+        f"the prompt needs {exc.prompt_tokens} tokens{room} but the context window (num_ctx) "
+        f"holds {window}: {hint}", prompt_tokens=exc.prompt_tokens,
+        context_window=window, param="messages")
+
+
 async def _generate(request: Request, state: ServerState, body: p.OllamaBase,
-                    start: Any, shape: Any, plan: Any = None) -> Response:
+                    start: Any, shape: Any, plan: Any = None,
+                    cuts: list[Truncation | None] | None = None, turns: bool = True
+                    ) -> Response:
     """Run one reply for /api/chat or /api/generate; `shape(text)` builds a response body.
     `plan()` is the request's ToolPlan once `start` has run (None: no tools): then text that
-    could open a call is held back, and calls come as the message's `tool_calls`."""
+    could open a call is held back, and calls come as the message's `tool_calls`. `cuts` gets
+    what `start` truncated (said in the response's headers); `turns`: whether the prompt is a
+    conversation (a raw one has no turns to drop)."""
     started = time.perf_counter()
     keep_alive = keep_alive_seconds(body.keep_alive)
+    num_ctx = body.options.num_ctx if body.options is not None else None
     overrides = {**options(body.options), **format_override(body.format)}
+    if start is None and keep_alive == 0:  # Ollama: nothing to say and keep_alive 0 unloads
+        await state.pool.expire(body.model)
+        return JSONResponse({**shape(""), "done": True, "done_reason": "unload"})
     t0 = time.perf_counter()
-    loaded: LoadedModel = await state.pool.acquire(body.model)
+    loaded: LoadedModel = await state.pool.acquire(body.model, num_ctx=num_ctx,
+                                                   keep_alive=keep_alive)
     load_s = time.perf_counter() - t0
     release: Any = loaded
     try:
@@ -164,11 +285,15 @@ async def _generate(request: Request, state: ServerState, body: p.OllamaBase,
             return JSONResponse({**shape(""), "done": True, "done_reason": "load"})
         try:
             streams = [start(loaded.engine, overrides)]
+        except ContextWindowError as exc:
+            raise context_error(exc, loaded, state.pool.model_window(loaded.path),
+                                wants_truncation(body), turns) from None
         except InvalidRequestError as exc:
             if exc.param != "response_format":
                 raise
             raise InvalidRequestError(str(exc).replace("response_format", "format", 1),
                                       "format") from None
+        headers = truncation_headers(cuts[0] if cuts else None)
         tracker = Tracker(state.metrics, loaded.ref, started)
         events = merged(streams, tracker)
         calls = plan() if plan is not None else None
@@ -179,8 +304,9 @@ async def _generate(request: Request, state: ServerState, body: p.OllamaBase,
             if calls is not None:
                 content, found = parse_calls(choice.text, calls.style, calls.tools)
                 if found:
-                    return JSONResponse({**_with_calls(shape(content), found), **done})
-            return JSONResponse({**shape(choice.text), **done})
+                    return JSONResponse({**_with_calls(shape(content), found), **done},
+                                        headers=headers)
+            return JSONResponse({**shape(choice.text), **done}, headers=headers)
         async with cancel_on_disconnect(request, streams):
             first = await anext(events)
 
@@ -218,12 +344,12 @@ async def _generate(request: Request, state: ServerState, body: p.OllamaBase,
 
         response = ReplyStreamingResponse(
             lines(prepend(first, events)), streams, media_type=NDJSON,
-            on_close=lambda: state.pool.release(loaded, keep_alive))
+            on_close=lambda: state.pool.release(loaded), headers=headers)
         release = None
         return response
     finally:
         if release is not None:
-            await state.pool.release(loaded, keep_alive)
+            await state.pool.release(loaded)
 
 
 @router.post("/chat")
@@ -234,6 +360,8 @@ async def chat(request: Request) -> Response:
     messages = [_chat_message(i, m) for i, m in enumerate(body.messages or [])]
     defs = [t.definition for t in tools] or None
     plans: list[ToolPlan] = []
+    cuts: list[Truncation | None] = []
+    truncate = wants_truncation(body)
 
     def start(engine: Any, o: dict[str, Any]) -> Any:
         template = engine.template
@@ -246,14 +374,17 @@ async def chat(request: Request) -> Response:
                 raise InvalidRequestError("format cannot be combined with tools", "format")
             plans.append(ToolPlan(template.tool_call_style, tools))
             o = {**o, "response_format": call_format(template.tool_call_style, "auto", tools)}
-        return engine.chat(messages, tools=defs, **o)
+        kept, cut = fit_messages(engine, messages, o.get("max_tokens"), defs,
+                                 truncate=truncate, model=body.model)
+        cuts.append(cut)
+        return engine.chat(kept, tools=defs, overflow="truncate" if truncate else None, **o)
 
     def shape(text: str) -> dict[str, Any]:
         return {"model": body.model, "created_at": now_iso(),
                 "message": {"role": "assistant", "content": text}}
 
     return await _generate(request, state, body, start if messages else None, shape,
-                           lambda: plans[0] if plans else None)
+                           lambda: plans[0] if plans else None, cuts)
 
 
 def _chat_message(i: int, m: p.OllamaMessage) -> dict[str, Any]:
@@ -301,12 +432,13 @@ async def generate(request: Request) -> Response:
             messages.append({"role": "user", "content": prompt})
 
             def start(engine: Any, o: dict[str, Any]) -> Any:
+                # one turn: nothing truncate could drop, so the window decides alone
                 return engine.chat(messages, **o)
 
     def shape(text: str) -> dict[str, Any]:
         return {"model": body.model, "created_at": now_iso(), "response": text}
 
-    return await _generate(request, state, body, start, shape)
+    return await _generate(request, state, body, start, shape, turns=False)
 
 
 def _model_entry(name: str, path: Any, size: int, config: dict[str, Any],
@@ -318,7 +450,7 @@ def _model_entry(name: str, path: Any, size: int, config: dict[str, Any],
     except OSError:
         modified = now_iso()
     return {"name": name, "model": name, "modified_at": modified, "size": size,
-            "digest": digest(str(path)), "details": details(config, quant)}
+            "digest": digest(str(path)), "details": details(config, quant, path)}
 
 
 @router.api_route("/tags", methods=["GET", "HEAD"])
@@ -336,6 +468,10 @@ async def show(request: Request) -> JSONResponse:
     if not body.ref:
         raise InvalidRequestError("model is required", "model")
     ref, path = state.pool.resolve(body.ref)
+    loaded = state.pool.loaded.get(path)
+    # the window a request without num_ctx runs with (the loaded one's, if it is loaded)
+    num_ctx = (loaded.context_window if loaded is not None and not loaded.closing
+               else state.pool.window_for(path, None, ref))
     from localchat import GenerationConfig
     from localchat import model_dir as md
 
@@ -347,6 +483,7 @@ async def show(request: Request) -> JSONResponse:
         ("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"),
         ("min_p", "min_p"), ("repeat_penalty", "repetition_penalty"),
         ("repeat_last_n", "repetition_window")))
+    params += f"\nnum_ctx {num_ctx}"
     template_file = path / "chat_template.jinja"
     template = (template_file.read_text(encoding="utf-8") if template_file.is_file()
                 else str(config.get("template") or ""))
@@ -355,7 +492,8 @@ async def show(request: Request) -> JSONResponse:
     for key, value in (config.get("model_config") or {}).items():
         if isinstance(value, (int, float, str, bool)):
             info[f"{arch}.{key}"] = value
-    info[f"{arch}.context_length"] = config.get("context_window_size")
+    info[f"{arch}.context_length"] = config.get("context_window_size")  # the model's own
+    info["general.parameter_count"] = parameter_count(path)
     entry = _model_entry(ref, path, 0, config, quant)
     return JSONResponse({"modelfile": f"# localchat model {ref}\nFROM {ref}\n",
                          "parameters": params, "template": template,
@@ -365,19 +503,27 @@ async def show(request: Request) -> JSONResponse:
 
 @router.get("/ps")
 async def ps(request: Request) -> JSONResponse:
+    """The loaded models: when each will be unloaded (`expires_at`), the context window it runs
+    with (`context_length`), and its memory (`size_vram`: 0 on the CPU)."""
     state = state_of(request)
     models = []
     names = state.pool.listed_names()
-    for loaded in state.pool.loaded.values():
+    for loaded in list(state.pool.loaded.values()):
         quant = str(loaded.config.get("quantization") or "")
         entry = _model_entry(names.get(loaded.path, loaded.ref), loaded.path, loaded.size_bytes,
                              loaded.config, quant)
-        entry["expires_at"] = iso(loaded.expires_at) if loaded.expires_at else FAR_FUTURE
-        entry["size_vram"] = 0
-        entry["context_length"] = loaded.engine.context_window
+        entry["expires_at"] = expiry_iso(loaded.expiry())
+        entry["size_vram"] = 0 if _device_kind(loaded) == "cpu" else loaded.size_bytes
+        entry["context_length"] = loaded.context_window
         entry.pop("modified_at")
         models.append(entry)
     return JSONResponse({"models": models})
+
+
+def _device_kind(loaded: LoadedModel) -> str:
+    """The kind of device a model runs on ("cpu", "cuda", ...)."""
+    device = getattr(getattr(loaded.engine, "model", None), "device", None)
+    return str(getattr(device, "kind", "cpu"))
 
 
 @router.api_route("/version", methods=["GET", "HEAD"])
@@ -501,6 +647,26 @@ async def pull(request: Request) -> Response:
     return StreamingResponse(lines(), media_type=NDJSON)
 
 
+@router.post("/copy")
+async def copy(request: Request) -> Response:
+    """Store a model again under another name (`destination`, keeping the quantization): both
+    are then listed and run (Ollama's `cp`)."""
+    state = state_of(request)
+    body = p.OllamaCopyRequest.model_validate_json(await read_body(request))
+    source = checked_name(body.source, "source")
+    destination = checked_name(body.destination, "destination")
+    pool = state.pool
+    try:
+        copied = await asyncio.to_thread(pool.store.copy, source, destination)
+    except StoreError as exc:
+        raise InvalidRequestError(str(exc), "destination") from None
+    except ModelNotFoundError:
+        raise ModelNotFoundError(f"model {source!r} not found") from None
+    pool.forget()  # the new name resolves from now on
+    log.info("copied %s to %s", source, copied.ref)
+    return Response(status_code=200)
+
+
 @router.delete("/delete")
 async def delete(request: Request) -> Response:
     """Delete a stored model (`name` its default quantization, as Ollama's `name` is
@@ -508,18 +674,17 @@ async def delete(request: Request) -> Response:
     running replies."""
     state = state_of(request)
     body = p.OllamaModelRequest.model_validate_json(await read_body(request))
-    if not body.ref:
-        raise InvalidRequestError("model is required", "model")
+    ref = checked_name(body.ref)
     pool = state.pool
-    matches = pool.store.find(body.ref)
+    matches = pool.store.find(ref)
     if not matches:
-        raise ModelNotFoundError(f"model {body.ref!r} not found")
+        raise ModelNotFoundError(f"model {ref!r} not found")
     paths = {m.path for m in matches}
     for loaded in list(pool.loaded.values()):
         if loaded.path in paths:
             await pool.unload(loaded)
     pool.forget(paths)
-    await asyncio.to_thread(pool.store.remove, body.ref)
+    await asyncio.to_thread(pool.store.remove, ref)
     pool.forget()  # the name's default may have passed to another quantization
     log.info("deleted %s", ", ".join(m.ref for m in matches))
     return Response(status_code=200)

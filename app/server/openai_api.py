@@ -3,11 +3,13 @@ tokenizer helpers /tokenize and /detokenize."""
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -44,6 +46,8 @@ _SPLICE = "\x00localchat-text\x00"  # stands for a delta's text in a serialized 
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+TRUNCATED_TOKENS_HEADER = "X-Localchat-Truncated-Tokens"
+TRUNCATED_MESSAGES_HEADER = "X-Localchat-Truncated-Messages"
 
 
 # -- request checks ------------------------------------------------------------------------------
@@ -151,6 +155,96 @@ def check_window(engine: Any, prompt_tokens: int, max_tokens: int | None, param:
             f"{total} tokens ({prompt_tokens} in the {what}, {max_tokens} in the completion). "
             f"Please reduce the length of the {what} or completion.",
             prompt_tokens=total, context_window=window, param=param)
+
+
+@dataclass(frozen=True)
+class Truncation:
+    """What fitting a conversation into the context window dropped: whole messages (the
+    oldest turns, never the system prompt or the last message) and the prompt tokens they
+    held; `kept_tokens` is the prompt that is left."""
+
+    messages: int
+    tokens: int
+    kept_tokens: int
+
+    def headers(self) -> dict[str, str]:
+        """The response headers that say so."""
+        return {TRUNCATED_TOKENS_HEADER: str(self.tokens),
+                TRUNCATED_MESSAGES_HEADER: str(self.messages)}
+
+
+def truncation_headers(cut: Truncation | None) -> dict[str, str]:
+    """The headers of a response whose prompt was (or was not: none) truncated."""
+    return cut.headers() if cut is not None else {}
+
+
+def wants_truncation(body: p.SamplingParams) -> bool:
+    """Whether an OpenAI-style request allows dropping its oldest turns to fit the window
+    (`"truncation": "auto"`, as OpenAI's Responses API says it, or `"truncate": true`)."""
+    return bool(body.truncate) or body.truncation == "auto"
+
+
+def fit_messages(engine: Any, messages: Sequence[dict[str, Any]], max_tokens: int | None,
+                 tools: Sequence[dict[str, Any]] | None, *, truncate: bool,
+                 model: str = "") -> tuple[list[dict[str, Any]], Truncation | None]:
+    """The messages a reply is planned on, and what was dropped (None: nothing).
+
+    Without `truncate` they are as given (the engine refuses a prompt that does not fit). With
+    it, the engine's planner drops the oldest turns (its "truncate" overflow policy) until the
+    prompt leaves room for the reply: max_tokens when given (at most half the window), else the
+    engine's reply reserve; a ContextWindowError (with the counts) when the system prompt and
+    the last message alone do not fit. A truncation is logged."""
+    if not truncate:
+        return list(messages), None
+    planner = copy.copy(engine.planner)  # the engine's policy, reserving room for max_tokens
+    if max_tokens is not None:
+        planner.reply_reserve = max(planner.reply_reserve, max_tokens)
+    plan = planner.plan(messages, max_tokens, overflow="truncate", tools=tools)
+    if not plan.dropped:
+        return list(messages), None
+    full = planner.count(messages, tools=tools)
+    cut = Truncation(plan.dropped, full - len(plan.new_ids), len(plan.new_ids))
+    log.info("%s: truncated the prompt to fit the context window of %d: dropped the %d oldest "
+             "messages (%d tokens), %d tokens left", model or engine.name,
+             engine.context_window, cut.messages, cut.tokens, cut.kept_tokens)
+    return plan.messages, cut
+
+
+def has_older_turns(messages: Sequence[dict[str, Any]]) -> bool:
+    """Whether truncation could drop anything: a turn before the last message, not counting
+    a leading system prompt."""
+    start = 1 if messages and messages[0].get("role") == "system" else 0
+    return len(messages) - start >= 2
+
+
+def messages_too_long(exc: ContextWindowError, engine: Any, truncate: bool,
+                      turns: bool = True) -> ContextWindowError:
+    """OpenAI's context-length error for messages the engine refused (with the counts), saying
+    what truncation did or (`turns`: there are older turns to drop) could do."""
+    window = exc.context_window or engine.context_window
+    if truncate:
+        return ContextWindowError(
+            f"This model's maximum context length is {window} tokens. However, your messages "
+            f"need {exc.prompt_tokens} tokens even with the oldest turns dropped (the system "
+            f"prompt and the last message stay). Please reduce the length of the messages.",
+            prompt_tokens=exc.prompt_tokens, context_window=window, param="messages")
+    hint = ', or send "truncation": "auto" to drop the oldest turns' if turns else ""
+    return ContextWindowError(
+        f"This model's maximum context length is {window} tokens. However, your messages need "
+        f"{exc.prompt_tokens} tokens (with room for the reply). Please reduce the length of the "
+        f"messages{hint}.",
+        prompt_tokens=exc.prompt_tokens, context_window=window, param="messages")
+
+
+def prompt_too_long(exc: ContextWindowError, truncate: bool) -> ContextWindowError:
+    """A text prompt's context error; truncation cannot help one (it drops whole turns of a
+    conversation, and a text prompt has none), and the message says so when it was asked."""
+    if not truncate:
+        return exc
+    return ContextWindowError(
+        f"{str(exc).rstrip('.')}; truncation drops the oldest turns of a conversation, and a "
+        f"text prompt has none: shorten the prompt", prompt_tokens=exc.prompt_tokens,
+        context_window=exc.context_window, param=exc.param)
 
 
 def submit(count: int, seed: int | None,
@@ -287,19 +381,32 @@ async def chat_completions(request: Request) -> Response:
             plan = ToolPlan(template.tool_call_style, callable_tools)
             overrides["response_format"] = call_format(plan.style, mode, callable_tools)
         defs = [t.definition for t in tools] or None
+        truncate = wants_truncation(body)
+        try:
+            kept, cut = fit_messages(engine, messages, max_tokens, defs, truncate=truncate,
+                                     model=loaded.ref)
+        except ContextWindowError as exc:
+            raise messages_too_long(exc, engine, truncate,
+                                    has_older_turns(messages)) from None
         if max_tokens is not None:
-            check_window(engine, engine.count_tokens(messages, tools=defs), max_tokens,
-                         max_param)
+            prompt_tokens = (cut.kept_tokens if cut is not None
+                             else engine.count_tokens(kept, tools=defs))
+            try:
+                check_window(engine, prompt_tokens, max_tokens, max_param)
+            except ContextWindowError as exc:
+                if truncate or not has_older_turns(kept):
+                    raise
+                raise ContextWindowError(
+                    f"{str(exc).rstrip('.')}, or send \"truncation\": \"auto\" to drop the "
+                    f"oldest turns.", prompt_tokens=exc.prompt_tokens,
+                    context_window=exc.context_window, param=exc.param) from None
+        overflow = "truncate" if truncate else None
         try:
             streams = submit(n, body.seed, lambda extra: engine.chat(
-                messages, tools=defs, **{**overrides, **extra}))
+                kept, tools=defs, overflow=overflow, **{**overrides, **extra}))
         except ContextWindowError as exc:
-            window = exc.context_window or engine.context_window
-            raise ContextWindowError(
-                f"This model's maximum context length is {window} tokens. However, your "
-                f"messages need {exc.prompt_tokens} tokens (with room for the reply). Please "
-                f"reduce the length of the messages.", prompt_tokens=exc.prompt_tokens,
-                context_window=window, param="messages") from None
+            raise messages_too_long(exc, engine, truncate,
+                                    has_older_turns(messages)) from None
         tracker = Tracker(state.metrics, loaded.ref, started)
         events = merged(streams, tracker)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -322,13 +429,13 @@ async def chat_completions(request: Request) -> Response:
             for choice in data["choices"]:
                 if choice["message"].get("tool_calls") is None:
                     choice["message"].pop("tool_calls", None)
-            return JSONResponse(data)
+            return JSONResponse(data, headers=truncation_headers(cut))
         async with cancel_on_disconnect(request, streams):
             first = await anext(events)  # an error before any token is still a status
         chunks = chat_chunks(prepend(first, events), n, cid, created, body.model, include_usage,
                              body.logprobs, tokenizer, plan)
         response = ReplyStreamingResponse(chunks, streams, on_close=lambda: state.pool.release(
-            loaded), headers=SSE_HEADERS)
+            loaded), headers={**SSE_HEADERS, **truncation_headers(cut)})
         release = None
         return response
     finally:
@@ -478,13 +585,20 @@ async def completions(request: Request) -> Response:
                 raise InvalidRequestError("the prompt is empty", "prompt")
             if body.max_tokens is not None:
                 count = len(engine.planner.encode(text, raw=True))
-                check_window(engine, count, body.max_tokens, "max_tokens", "prompt")
+                try:
+                    check_window(engine, count, body.max_tokens, "max_tokens", "prompt")
+                except ContextWindowError as exc:
+                    raise prompt_too_long(exc, wants_truncation(body)) from None
         streams: list[ReplyStream] = []
         try:
             for text in prompts:
                 streams += submit(
                     n, body.seed,
                     lambda extra, t=text: engine.complete(t, **{**overrides, **extra}))
+        except ContextWindowError as exc:
+            for stream in streams:
+                stream.cancel()
+            raise prompt_too_long(exc, wants_truncation(body)) from None
         except BaseException:
             for stream in streams:
                 stream.cancel()

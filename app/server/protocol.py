@@ -70,6 +70,10 @@ class SamplingParams(_Request):
     min_p: float | None = None
     repetition_penalty: float | None = None
     user: str | None = None
+    # ours: let a conversation that outgrows the context window drop its oldest turns
+    # (`truncation` as OpenAI's Responses API names it); unset, it is refused with the counts
+    truncate: bool | None = None
+    truncation: Literal["auto", "disabled"] | None = None
 
 
 class ChatCompletionRequest(SamplingParams):
@@ -230,6 +234,7 @@ class OllamaOptions(BaseModel):
     repeat_last_n: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    truncate: bool | None = None  # ours, as the top-level `truncate`
 
 
 class OllamaMessage(_Request):
@@ -246,6 +251,7 @@ class OllamaBase(_Request):
     options: OllamaOptions | None = None
     format: Any = None
     keep_alive: float | str | None = None
+    truncate: bool | None = None  # drop the oldest turns when the prompt outgrows the window
 
 
 class OllamaChatRequest(OllamaBase):
@@ -268,6 +274,11 @@ class OllamaModelRequest(_Request):
     @property
     def ref(self) -> str | None:
         return self.model or self.name
+
+
+class OllamaCopyRequest(_Request):
+    source: str | None = None
+    destination: str | None = None
 
 
 class OllamaPullRequest(OllamaModelRequest):

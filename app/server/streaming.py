@@ -58,7 +58,7 @@ class Tracker:
         self.prompt_tokens += stats.prompt_tokens
         self.completion_tokens += stats.completion_tokens
         self.metrics.reply_done(self.model, stats.prompt_tokens, stats.completion_tokens,
-                                event.reply.finish_reason == "cancelled")
+                                event.reply.finish_reason == "cancelled", stats=stats)
 
 
 async def merged(streams: Sequence[ReplyStream],

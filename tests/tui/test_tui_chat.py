@@ -64,6 +64,18 @@ async def test_ask_stream_stats_persist_restart_and_continue(
         assert screen.stats.decode_tok_s and screen.stats.decode_tok_s > 0
         assert f"decode {screen.stats.decode_tok_s:.1f} tok/s" in stats
         assert "TTFT" in stats and "device cpu" in stats and "/8192 tok" in stats
+        # the reply's own stats line, as `ollama run --verbose` prints after each reply: the
+        # same numbers as its ReplyStats
+        reply = screen.last_stats
+        assert reply is not None and reply.decode_tok_s > 0 and reply.prefill_tok_s > 0
+        line = str(answer.query_one(".message-stats", Label).render())
+        assert f"decode {reply.decode_tok_s:,.1f} tok/s" in line, line
+        assert f"prefill {reply.prefill_tok_s:,.1f} tok/s" in line, line
+        assert f"prompt {reply.prompt_tokens:,} tok" in line, line
+        assert f"reply {reply.completion_tokens:,} tok" in line, line
+        assert f"TTFT {reply.ttft_s * 1000:,.0f} ms" in line, line
+        assert answer.query_one(".message-stats", Label).display
+        assert not user.query_one(".message-stats", Label).display  # a user message has none
         cid = screen.conversation_id
     db = ChatDB()
     [row] = db.conversations()
@@ -79,6 +91,8 @@ async def test_ask_stream_stats_persist_restart_and_continue(
         screen = await chat_ready(pilot, app)
         assert screen.conversation_id == cid
         assert [v.content for v in screen.views][0] == QUESTION
+        reopened = str(screen.views[1].query_one(".message-stats", Label).render())
+        assert line == reopened  # the stored reply shows the stats it had
         assert screen.settings.temperature == 0.0
         await pilot.press("f3")  # and it is listed
         await wait_for(pilot, lambda: isinstance(app.screen, ConversationsScreen),

@@ -70,11 +70,18 @@ def convert_source(
     prefill_chunk_size: int | None = None,
     compile_for: Any = None,
 ) -> Path:
-    """Build a model directory from an HF folder or a .gguf file (imported via a temporary HF
-    folder under `scratch_dir`); `compile_for`: as `convert.convert_model`'s."""
+    """Build a model directory from an HF folder, a .gguf file (imported via a temporary HF
+    folder under `scratch_dir`) or a BlinkDL RWKV .pth file (likewise); `compile_for`: as
+    `convert.convert_model`'s."""
     from localchat.engine.build.convert import convert_model
 
     source = Path(source)
+    if is_pth(source):
+        return _convert_pth(source, output_dir, quantization, scratch_dir,
+                            context_window_size=context_window_size,
+                            prefill_chunk_size=prefill_chunk_size,
+                            source_info=source_info or {"path": str(source.resolve())},
+                            compile_for=compile_for, log=log)
     if not is_gguf(source):
         return convert_model(source, output_dir, quantization,
                              context_window_size=context_window_size,
@@ -92,6 +99,25 @@ def convert_source(
                              prefill_chunk_size=prefill_chunk_size,
                              source_info=source_info or {"path": str(source.resolve())},
                              compile_for=compile_for, log=log)
+
+
+def is_pth(source: Path) -> bool:
+    """Whether `source` is a BlinkDL RWKV `.pth` checkpoint file (by name)."""
+    return source.is_file() and source.suffix.lower() == ".pth"
+
+
+def _convert_pth(source: Path, output_dir: Path, quantization: str, scratch_dir: Path | None,
+                 **options: Any) -> Path:
+    """A BlinkDL `.pth` (its RWKV version told by its tensor names, `rwkv4_pth`) through a
+    temporary converter folder under `scratch_dir`."""
+    from localchat.engine.build.convert import convert_model
+    from localchat.engine.models.rwkv4_pth import prepare_pth_source
+
+    if scratch_dir is not None:
+        scratch_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".pth-import-", dir=scratch_dir) as tmp:
+        folder = prepare_pth_source(source, Path(tmp) / source.stem)
+        return convert_model(folder, output_dir, quantization, **options)
 
 
 def inspect_gguf(path: Path) -> dict[str, Any]:

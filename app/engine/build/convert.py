@@ -192,6 +192,8 @@ def convert_model(
         }
         if arch.default_template and load_chat_template(tmp) is None:
             meta["template"] = arch.default_template
+        if arch.state == "encoder":
+            _add_embedding(meta, source_dir, config, tmp)
         md.write_config(tmp, meta)
         md.write_manifest(tmp, repair=f"localchat convert {source_dir.resolve()} --quant "
                           f"{mode.name} --output {output_dir.resolve()} --force")
@@ -201,6 +203,23 @@ def convert_model(
         md.share_modes(tmp)
         _replace_dir(tmp, output_dir)
     return output_dir
+
+
+def _add_embedding(meta: dict[str, Any], source_dir: Path, config: Any, out: Path) -> None:
+    """An encoder's pooling and normalization (from its sentence-transformers files) into its
+    config, and those files beside it for reference."""
+    from localchat.engine.build.pooling import (
+        SENTENCE_TRANSFORMERS_FILES,
+        pooling_files,
+        read_pooling,
+    )
+
+    settings = read_pooling(source_dir, config.context_window_size, config.hidden_size)
+    meta[md.EMBEDDING_KEY] = settings.to_dict()
+    for rel in (*SENTENCE_TRANSFORMERS_FILES, *pooling_files(source_dir)):
+        if (source_dir / rel).is_file():
+            (out / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source_dir / rel, out / rel)
 
 
 def _compile_into(

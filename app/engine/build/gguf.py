@@ -408,11 +408,15 @@ def _dequantize(t: GGUFTensor) -> np.ndarray:
 
 
 def _hf_value(t: GGUFTensor, gmap: GgufMap, config: dict[str, Any]) -> np.ndarray:
-    """A tensor's values in HF's layout: dequantized, reordered rows put back."""
+    """A tensor's values in HF's layout: dequantized, reordered rows put back, a constant the
+    converter added (`GgufMap.shifted`) taken away."""
     value = _dequantize(t)
     match = _LAYER_RE.match(t.name)
-    if match and match.group(2) in gmap.permuted:
-        value = unpermute_rope_rows(value, config[gmap.permuted[match.group(2)]])
+    part = match.group(2) if match else t.name
+    if match and part in gmap.permuted:
+        value = unpermute_rope_rows(value, config[gmap.permuted[part]])
+    if part in gmap.shifted:
+        value = value - np.float32(gmap.shifted[part])
     return value
 
 

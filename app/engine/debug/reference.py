@@ -78,35 +78,67 @@ def reference_folder(ref: Path, log: Log | None = None) -> Iterator[Path]:
         f"{ref}: a reference is an HF model folder, a .gguf file or an RWKV .pth", "reference")
 
 
-# the `rwkv` package's RWKV-4 state: five tensors per layer, in this order
+# the `rwkv` package's state per layer, in its order: RWKV-4 has five tensors, RWKV-7 three
 BLINK_STATE = ("state.att_x", "state.att_num", "state.att_den", "state.att_max", "state.ffn_x")
+BLINK_STATE_V7 = ("state.att_x", "state.att_kv", "state.ffn_x")
 
 
-def run_blink_reference(pth: Path, token_ids: list[int], num_layers: int) -> ForwardTrace:
-    """The `rwkv` package's reference model (cpu fp32) on a BlinkDL RWKV-4 `.pth`: logits at
-    every position and each layer's new state."""
+def _blink_model(pth: Path) -> Any:
+    """The `rwkv` package's model of `pth` (cpu fp32): its `RWKV_x070` for an RWKV-7 file
+    (chosen by the module-level switch RWKV_V7_ON, so the module is reloaded with it set and
+    reloaded back afterwards), else its generic `RWKV`."""
+    import contextlib
+    import importlib
+    import io
     import os
 
-    require_torch()
     os.environ.setdefault("RWKV_JIT_ON", "0")
     os.environ.setdefault("RWKV_CUDA_ON", "0")
+    from localchat.engine.build.weights import open_checkpoint_file
+    from localchat.engine.models.rwkv7_pth import checkpoint_version
+
+    v7 = checkpoint_version(open_checkpoint_file(pth).names) == 7
     try:
-        from rwkv.model import RWKV
+        import rwkv.model as blink
     except ImportError:
         raise MissingExtraError("an RWKV .pth reference needs the rwkv package: "
                                 "pip install rwkv") from None
+    if not v7:
+        return blink.RWKV(model=str(pth), strategy="cpu fp32", verbose=False)
+    before = os.environ.get("RWKV_V7_ON")
+    # it prints banners to stdout, which `--json` output owns
+    with contextlib.redirect_stdout(io.StringIO()):
+        try:
+            os.environ["RWKV_V7_ON"] = "1"
+            blink = importlib.reload(blink)
+            # RWKV_x070 appends ".pth" to the name it is given
+            return blink.RWKV_x070(str(pth.with_suffix("")), "cpu fp32")
+        finally:
+            if before is None:
+                os.environ.pop("RWKV_V7_ON", None)
+            else:
+                os.environ["RWKV_V7_ON"] = before
+            importlib.reload(blink)
+
+
+def run_blink_reference(pth: Path, token_ids: list[int], num_layers: int) -> ForwardTrace:
+    """The `rwkv` package's reference model (cpu fp32) on a BlinkDL RWKV-4 or RWKV-7 `.pth`:
+    logits at every position and each layer's new state (the layout told by its length)."""
+    require_torch()
     import torch
 
-    model = RWKV(model=str(pth), strategy="cpu fp32", verbose=False)
+    model = _blink_model(pth)
     with torch.no_grad():
         logits, state = model.forward(list(token_ids), None, full_output=True)
-    if len(state) != 5 * num_layers:
+    names = {5 * num_layers: BLINK_STATE, 3 * num_layers: BLINK_STATE_V7}.get(len(state))
+    if names is None:
         raise InvalidRequestError(f"{pth.name}: its state has {len(state)} tensors, not the "
-                                  f"{5 * num_layers} of a {num_layers}-layer RWKV-4",
+                                  f"5 (RWKV-4) or 3 (RWKV-7) per layer of {num_layers} layers",
                                   "reference")
-    probes = [ProbeValue(layer, name, state[5 * layer + i].to(torch.float32).numpy()
+    per = len(names)
+    probes = [ProbeValue(layer, name, state[per * layer + i].to(torch.float32).numpy()
                          .reshape(1, -1))
-              for layer in range(num_layers) for i, name in enumerate(BLINK_STATE)]
+              for layer in range(num_layers) for i, name in enumerate(names)]
     return ForwardTrace(logits.to(torch.float32).numpy().reshape(len(token_ids), -1), probes)
 
 

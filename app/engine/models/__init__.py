@@ -75,6 +75,8 @@ class GgufMap:
     given what `config_keys` read. `permuted` names the layer tensors whose rows llama.cpp's
     converter reordered for its rotary layout, with the HF config key of their head count.
     `ignored` tensors have no HF tensor (their content is in the config, e.g. `rope_freqs`).
+    `shifted` names tensors (whole-model names or layer parts) that llama.cpp stored as HF's
+    values plus a constant, which the reader subtracts (Gemma's norms, stored as 1 + w).
     """
 
     tensors: Mapping[str, str]
@@ -84,6 +86,7 @@ class GgufMap:
     layer_prefix: str = "model.layers.{}."
     permuted: Mapping[str, str] = field(default_factory=dict)
     ignored: tuple[str, ...] = ()
+    shifted: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,7 @@ class Architecture:
     """How to read, build and convert one architecture."""
 
     name: str
-    state: str  # "kv" (paged KV cache) or "rnn" (recurrent state)
+    state: str  # "kv" (paged KV cache), "rnn" (recurrent state) or "encoder" (embeddings)
     config_from_hf: Callable[[dict[str, Any]], ModelConfig]
     config_from_dict: Callable[[dict[str, Any]], ModelConfig]
     build: Callable[..., Any]  # (config, QuantMode, Target) -> nn.Module
@@ -130,13 +133,21 @@ REGISTRY: tuple[Entry, ...] = (
         ("llama", "mistral", "qwen2"),
         gguf_architectures=("llama",),
     ),
-    Entry("qwen3", "qwen3", ("Qwen3ForCausalLM",), ("qwen3",)),
-    Entry("gemma2", "gemma", ("Gemma2ForCausalLM",), ("gemma2",)),
-    Entry("gemma3", "gemma", ("Gemma3ForCausalLM",), ("gemma3_text",)),
-    Entry("olmo2", "olmo2", ("Olmo2ForCausalLM",), ("olmo2",)),
-    Entry("smollm3", "smollm3", ("SmolLM3ForCausalLM",), ("smollm3",)),
-    Entry("phi3", "phi3", ("Phi3ForCausalLM",), ("phi3",)),
+    Entry("qwen3", "qwen3", ("Qwen3ForCausalLM",), ("qwen3",), gguf_architectures=("qwen3",)),
+    Entry("gemma2", "gemma", ("Gemma2ForCausalLM",), ("gemma2",),
+          gguf_architectures=("gemma2",)),
+    Entry("gemma3", "gemma", ("Gemma3ForCausalLM",), ("gemma3_text",),
+          gguf_architectures=("gemma3",)),
+    Entry("olmo2", "olmo2", ("Olmo2ForCausalLM",), ("olmo2",), gguf_architectures=("olmo2",)),
+    Entry("smollm3", "smollm3", ("SmolLM3ForCausalLM",), ("smollm3",),
+          gguf_architectures=("smollm3",)),
+    Entry("phi3", "phi3", ("Phi3ForCausalLM",), ("phi3",), gguf_architectures=("phi3",)),
     Entry("rwkv4", "rwkv4", ("RwkvForCausalLM",), ("rwkv",)),
+    Entry("rwkv7", "rwkv7", ("Rwkv7ForCausalLM",), ("rwkv7",)),
+    # text encoders for embeddings (state "encoder": no KV cache, one `encode` function)
+    Entry("bert", "bert", ("BertModel", "BertForMaskedLM", "BertForPreTraining"), ("bert",)),
+    Entry("nomic_bert", "bert", ("NomicBertModel", "NomicBertForMaskedLM",
+                                 "NomicBertForPreTraining"), ("nomic_bert",)),
 )
 
 

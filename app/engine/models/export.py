@@ -1,10 +1,11 @@
 """The one declaration of what a compiled model library exports, for every architecture.
 
-Every library has the same five functions over packed parameters, which the runtime calls by
+A decoder library has the same five functions over packed parameters, which the runtime calls by
 name (engine/runtime.py): `embed` (token ids -> embeddings), `prefill` (one sequence's chunk ->
 last logits), `decode` (one token), `batch_prefill` and `batch_decode` (several sequences at
 once), plus the constructor of its state (`create_paged_kv_cache` for a KV cache,
 `create_rnn_state` for recurrent state). An architecture's module only says which state it has.
+A text encoder (`encoder_spec`) exports one function, `encode`, and keeps no state.
 """
 
 from __future__ import annotations
@@ -49,5 +50,21 @@ def model_spec(model: nn.Module, *, hidden_size: int, dtype: str, state: str,
             "input_embeds": nn.spec.Tensor(["batch_size", h], dt), arg: obj, **_PACKED,
         },
         constructor: {**{name: int for name in ints}, **_NO_PARAMS},
+    }
+    return nn.spec.ModuleSpec.from_raw(spec, model)
+
+
+def encoder_spec(model: nn.Module) -> nn.spec.ModuleSpec:
+    """The export spec of a text encoder (state "encoder"): one function, `encode(input_ids [n],
+    positions [n], starts [texts + 1])`, over a packed batch of texts (text t is tokens
+    starts[t] to starts[t + 1]; positions count from 0 in each), returning every token's last
+    hidden state."""
+    spec: dict[str, Any] = {
+        "encode": {
+            "input_ids": nn.spec.Tensor(["seq_len"], "int32"),
+            "positions": nn.spec.Tensor(["seq_len"], "int32"),
+            "starts": nn.spec.Tensor(["texts_plus_one"], "int32"),
+            **_PACKED,
+        },
     }
     return nn.spec.ModuleSpec.from_raw(spec, model)

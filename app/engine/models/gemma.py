@@ -13,7 +13,7 @@ import dataclasses
 import math
 from typing import Any
 
-from localchat.engine.models import Architecture, llama
+from localchat.engine.models import Architecture, GgufMap, GgufSource, llama
 from localchat.errors import UnsupportedModelError
 
 SLIDING = "sliding_attention"
@@ -96,7 +96,92 @@ def gemma3_config(hf: dict[str, Any]) -> llama.LlamaConfig:
     )
 
 
+# -- llama.cpp's GGUF files (`gemma2`, `gemma3`) --------------------------------------------
+# What llama.cpp does not store but fixes per architecture (its llama-model.cpp): the window
+# pattern (every 2nd / 6th layer global), Gemma 3's local rope (theta 10k, no scaling), and the
+# attention scale: head_dim ** -0.5, or (hidden / heads) ** -0.5 on the 27B models, which it
+# knows by their layer count.
+GGUF_PATTERN = {"gemma2": 2, "gemma3": 6}
+GGUF_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+GGUF_LOCAL_THETA = 10_000.0
+
+
+def _gguf_common(gf: GgufSource, read: dict[str, Any], arch: str) -> dict[str, Any]:
+    heads, hidden, layers = (read["num_attention_heads"], read["hidden_size"],
+                             read["num_hidden_layers"])
+    head_dim = int(gf.arch_key("attention.key_length") or hidden // heads)
+    scalar = hidden // heads if layers == GGUF_27B_LAYERS[arch] else head_dim
+    window = int(gf.arch_key("attention.sliding_window") or 0)
+    pattern = GGUF_PATTERN[arch]
+    types = [SLIDING if window and (i + 1) % pattern else "full_attention"
+             for i in range(layers)]
+    config: dict[str, Any] = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "num_key_value_heads": int(gf.arch_key("attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "query_pre_attn_scalar": scalar,
+        "tie_word_embeddings": gf.tensor_shape("output.weight") is None,
+        "layer_types": types,
+        "torch_dtype": "float32",
+    }
+    if window:
+        config["sliding_window"] = window
+    return config
+
+
+def gemma2_gguf_config(gf: GgufSource, read: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma 2 config.json from llama.cpp's `gemma2` metadata."""
+    return {**_gguf_common(gf, read, "gemma2"), "architectures": ["Gemma2ForCausalLM"],
+            "model_type": "gemma2",
+            "attn_logit_softcapping": gf.arch_key("attn_logit_softcapping"),
+            "final_logit_softcapping": gf.arch_key("final_logit_softcapping")}
+
+
+def gemma3_gguf_config(gf: GgufSource, read: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma 3 text config.json from llama.cpp's `gemma3` metadata (the 1B text model and the
+    language model of the 4B+ multimodal ones, which llama.cpp files alike)."""
+    if gf.arch_key("final_logit_softcapping"):
+        raise UnsupportedModelError(f"{gf.path.name}: a `gemma3` GGUF with final logit "
+                                    f"soft-capping is not supported")
+    glob: dict[str, Any] = {"rope_type": "default", "rope_theta": read["rope_theta"]}
+    kind = gf.arch_key("rope.scaling.type")
+    if kind == "linear":
+        glob.update(rope_type="linear", factor=float(gf.arch_key("rope.scaling.factor") or 1.0))
+    elif kind and kind != "none":
+        raise UnsupportedModelError(f"{gf.path.name}: Gemma 3 rope scaling {kind!r} is not "
+                                    f"supported")
+    return {**_gguf_common(gf, read, "gemma3"), "architectures": ["Gemma3ForCausalLM"],
+            "model_type": "gemma3_text",
+            "rope_parameters": {SLIDING: {"rope_type": "default", "rope_theta": GGUF_LOCAL_THETA},
+                                "full_attention": glob}}
+
+
+def _gguf_map(config: Any, qk_norm: bool) -> GgufMap:
+    """Gemma's tensor names; every norm weight is stored as 1 + w by llama.cpp's converter."""
+    norms = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+             "ffn_norm": "pre_feedforward_layernorm",
+             "post_ffw_norm": "post_feedforward_layernorm"}
+    if qk_norm:
+        norms.update(attn_q_norm="self_attn.q_norm", attn_k_norm="self_attn.k_norm")
+    layer = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+             "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+    return GgufMap(
+        tensors=llama.GGUF_TENSORS,
+        layer_tensors={**layer, **norms},
+        config=config,
+        config_keys=llama.GGUF_CONFIG_KEYS,
+        # q/k rows stay in HF's order: llama.cpp rotates Gemma's heads by halves, as HF does
+        shifted={"output_norm.weight": 1.0, **dict.fromkeys(norms, 1.0)},
+    )
+
+
+GGUF_GEMMA2 = _gguf_map(gemma2_gguf_config, qk_norm=False)
+GGUF_GEMMA3 = _gguf_map(gemma3_gguf_config, qk_norm=True)
+
+
 def architecture(name: str) -> Architecture:
     """The registry's view of this module: Llama's build and weights, Gemma's configs."""
     read = {"gemma2": gemma2_config, "gemma3": gemma3_config}[name]
-    return dataclasses.replace(llama.architecture(name), config_from_hf=read, gguf=None)
+    gguf = {"gemma2": GGUF_GEMMA2, "gemma3": GGUF_GEMMA3}[name]
+    return dataclasses.replace(llama.architecture(name), config_from_hf=read, gguf=gguf)

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from localchat.engine.models import Architecture, llama
+from localchat.engine.models import Architecture, GgufMap, GgufSource, llama
 from localchat.errors import ModelConfigError, UnsupportedModelError
 
 
@@ -59,7 +59,75 @@ def hf_params(cfg: llama.LlamaConfig, get: Callable[[str], np.ndarray],
         yield "lm_head.weight", get("model.embed_tokens.weight")
 
 
+def _longrope_attention(context: int, original: int) -> float:
+    """LongRoPE's default attention factor (HF's and llama.cpp's converter's formula)."""
+    factor = context / original
+    return math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+
+
+def gguf_config(gf: GgufSource, read: dict[str, Any]) -> dict[str, Any]:
+    """A Phi-3 config.json from llama.cpp's `phi3` metadata: the rotated width from
+    `rope.dimension_count`, LongRoPE from the `rope_factors_short/long` tensors, the original
+    context and the attention factor from the `rope.scaling.*` keys."""
+    heads, hidden = read["num_attention_heads"], read["hidden_size"]
+    head_dim = int(gf.arch_key("attention.key_length") or hidden // heads)
+    rotary = int(gf.arch_key("rope.dimension_count") or head_dim)
+    config: dict[str, Any] = {
+        "architectures": ["Phi3ForCausalLM"],
+        "model_type": "phi3",
+        "hidden_act": "silu",
+        "num_key_value_heads": int(gf.arch_key("attention.head_count_kv", heads)),
+        "tie_word_embeddings": gf.tensor_shape("output.weight") is None,
+        "torch_dtype": "float32",
+    }
+    if head_dim != hidden // heads:
+        config["head_dim"] = head_dim
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": read["rope_theta"]}
+    if rotary != head_dim:
+        rope["partial_rotary_factor"] = rotary / head_dim
+        config["partial_rotary_factor"] = rotary / head_dim
+    has_short = gf.tensor_shape("rope_factors_short.weight") is not None
+    if has_short != (gf.tensor_shape("rope_factors_long.weight") is not None):
+        raise ModelConfigError(f"{gf.path.name}: only one of rope_factors_short and "
+                               f"rope_factors_long is in the file")
+    if has_short:
+        context = read["max_position_embeddings"]
+        original = int(gf.arch_key("rope.scaling.original_context_length") or context)
+        rope.update(
+            rope_type="longrope",
+            short_factor=[float(f) for f in gf.tensor_values("rope_factors_short.weight")],
+            long_factor=[float(f) for f in gf.tensor_values("rope_factors_long.weight")],
+            original_max_position_embeddings=original,
+        )
+        config["original_max_position_embeddings"] = original
+        attention = gf.arch_key("rope.scaling.attn_factor")
+        # stored as float32: kept only where it is not the default the config would compute
+        if attention is not None and not math.isclose(
+                float(attention), _longrope_attention(context, original), rel_tol=1e-6):
+            rope["attention_factor"] = float(attention)
+    config["rope_parameters"] = rope
+    return config
+
+
+# llama.cpp's `phi3` files keep the checkpoint's fused q/k/v (`attn_qkv`) and gate/up (under
+# `ffn_up`), in HF's row order; LongRoPE's factors are tensors of their own
+GGUF = GgufMap(
+    tensors=llama.GGUF_TENSORS,
+    layer_tensors={
+        "attn_norm": "input_layernorm",
+        "attn_qkv": "self_attn.qkv_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_norm": "post_attention_layernorm",
+        "ffn_up": "mlp.gate_up_proj",
+        "ffn_down": "mlp.down_proj",
+    },
+    config=gguf_config,
+    config_keys=llama.GGUF_CONFIG_KEYS,
+    ignored=("rope_factors_short.weight", "rope_factors_long.weight"),
+)
+
+
 def architecture(name: str) -> Architecture:
     """The registry's view of this module: Llama's build, Phi-3's config and weight names."""
     return dataclasses.replace(llama.architecture(name), config_from_hf=config_from_hf,
-                               hf_params=hf_params, gguf=None)
+                               hf_params=hf_params, gguf=GGUF)

@@ -1,6 +1,8 @@
-"""BlinkDL RWKV-4 `.pth` checkpoints: make a folder the converter reads from a lone `.pth` file
-(config.json inferred from the tensor shapes, the checkpoint linked in, the World vocabulary
-copied when it lies next to it). From the shell:
+"""BlinkDL `.pth` checkpoints: make a folder the converter reads from a lone `.pth` file
+(config.json inferred from the tensor shapes, the checkpoint linked in, the World vocabulary for
+World-sized models). `prepare_pth_source` is the one entry point for every RWKV version: it
+tells the version from the tensor names (`rwkv7_pth.checkpoint_version`), prepares RWKV-4 here
+and RWKV-7 in `rwkv7_pth`, and refuses RWKV-5/6 naming what is supported. From the shell:
 
     python -m localchat.engine.models.rwkv4_pth FILE.pth FOLDER [--rescale-every 6]
 
@@ -10,13 +12,13 @@ then `localchat convert FOLDER -o OUT` as for an HF folder.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from pathlib import Path
 from typing import Any
 
-from localchat.errors import UnsupportedModelError, WeightsError
+from localchat.engine.models import rwkv7_pth
+from localchat.errors import WeightsError
 
 WORLD_VOCAB = "rwkv_vocab_v20230424.txt"
 
@@ -28,11 +30,9 @@ def config_from_checkpoint(path: Path, rescale_every: int = 6) -> dict[str, Any]
     src = open_checkpoint_file(Path(path))
     names = src.names
     if "emb.weight" not in names or "blocks.0.att.time_first" not in names:
+        rwkv7_pth.refuse_unsupported(rwkv7_pth.checkpoint_version(names), Path(path).name)
         raise WeightsError(f"{Path(path).name}: not an RWKV-4 checkpoint (no emb / att.time_first)")
-    if any(".ln_x." in n or ".time_faaaa" in n or ".att.gate." in n for n in names):
-        raise UnsupportedModelError(
-            f"{Path(path).name}: an RWKV-5/6 checkpoint (only RWKV-4 is supported)"
-        )
+    rwkv7_pth.refuse_unsupported(rwkv7_pth.checkpoint_version(names), Path(path).name)
     layers = 1 + max(int(m.group(1)) for n in names if (m := re.match(r"blocks\.(\d+)\.", n)))
     vocab, hidden = src.get("emb.weight").shape
     return {
@@ -52,22 +52,25 @@ def config_from_checkpoint(path: Path, rescale_every: int = 6) -> dict[str, Any]
 
 
 def prepare_pth_source(pth: Path, dest: Path, *, rescale_every: int = 6) -> Path:
-    """Make `dest` a folder the converter reads: config.json inferred from `pth`, the checkpoint
-    (linked, or copied where links are not possible) and the World vocabulary when it lies next
-    to the checkpoint. Returns `dest`."""
+    """Make `dest` a folder the converter reads from a BlinkDL `.pth` of any supported version:
+    config.json inferred from `pth`, the checkpoint (linked, or copied where links are not
+    possible) and the World vocabulary (beside the checkpoint, else `rwkv7_pth.world_vocab`'s)
+    for a World-sized model, or when it lies next to the checkpoint. Returns `dest`."""
     pth, dest = Path(pth), Path(dest)
+    from localchat.engine.build.weights import open_checkpoint_file
+
+    version = rwkv7_pth.checkpoint_version(open_checkpoint_file(pth).names)
+    rwkv7_pth.refuse_unsupported(version, pth.name)
+    if version == 7:
+        return rwkv7_pth.prepare_rwkv7_source(pth, dest)
     config = config_from_checkpoint(pth, rescale_every)
     dest.mkdir(parents=True, exist_ok=True)
-    target = dest / pth.name
-    if not target.exists():
-        try:
-            os.symlink(pth.resolve(), target)
-        except OSError:
-            shutil.copy2(pth, target)
+    rwkv7_pth.link_checkpoint(pth, dest)
     (dest / "config.json").write_text(json.dumps(config, indent=2))
     vocab = pth.parent / WORLD_VOCAB
     if vocab.exists() and not (dest / WORLD_VOCAB).exists():
         shutil.copy2(vocab, dest / WORLD_VOCAB)
+    rwkv7_pth.add_world_vocab(pth, dest, config["vocab_size"])
     return dest
 
 
@@ -76,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(
         prog="python -m localchat.engine.models.rwkv4_pth",
-        description="Make a converter-ready folder from a BlinkDL RWKV-4 .pth "
+        description="Make a converter-ready folder from a BlinkDL RWKV-4 or RWKV-7 .pth "
         "(then: localchat convert FOLDER -o OUT)",
     )
     parser.add_argument("pth", type=Path)

@@ -198,7 +198,7 @@ class ChatScreen(Screen[None]):
         self.title = row.title
         views = [
             MessageView(m.role, m.content, author=self._author(m.role), status=m.status,
-                        message_id=m.id)
+                        message_id=m.id, stats=m.stats if m.role == "assistant" else None)
             for m in self.db.messages(conversation_id) if m.role in ("user", "assistant")
         ]
         self.query_one("#messages").mount_all(views)
@@ -432,6 +432,7 @@ class ChatScreen(Screen[None]):
                 stats=reply.stats.to_dict() if reply is not None else None)
         view.set_status(status, error)
         if reply is not None:
+            view.set_stats(reply.stats.to_dict())  # per reply, as `ollama run --verbose`
             self.last_stats = reply.stats
             self.stats = LiveStats.of(reply.stats)
         self._show_stats()

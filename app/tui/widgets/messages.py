@@ -1,10 +1,14 @@
-"""One chat message on screen: who wrote it, its Markdown body, and its state (streaming,
-stopped, failed). Focus one to copy it, copy its last code block, or edit and resend it; its
-header then names those keys (the footer has no room for them at 80 columns)."""
+"""One chat message on screen: who wrote it, its Markdown body, its state (streaming,
+stopped, failed) and, under a finished reply, its stats line (token counts, prefill and decode
+speed, time to first token: what `ollama run --verbose` prints after each reply). Focus one to
+copy it, copy its last code block, or edit and resend it; its header then names those keys
+(the footer has no room for them at 80 columns)."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from typing import Any
 
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -16,6 +20,31 @@ CODE_BLOCK = re.compile(r"```[^\n]*\n(.*?)(?:```|\Z)", re.S)
 STATUS_MARKS = {"cancelled": "⏹ stopped", "error": "⚠ failed", "streaming": "…"}
 
 
+def reply_stats_line(stats: Mapping[str, Any]) -> str:
+    """A reply's stats (`ReplyStats.to_dict()`, or the stored copy) as one line: prompt and
+    reply token counts with their prefill and decode speeds, and the time to first token. A
+    speed that was not measured (0, or missing: a remote server's prefill) shows as "–"."""
+
+    def count(name: str) -> str:
+        value = stats.get(name)
+        return f"{int(value):,}" if isinstance(value, (int, float)) else "–"
+
+    def rate(name: str) -> str:
+        value = stats.get(name)
+        return f"{value:,.1f} tok/s" if isinstance(value, (int, float)) and value > 0 else "–"
+
+    reused = stats.get("reused_tokens")
+    prompt = f"prompt {count('prompt_tokens')} tok"
+    if isinstance(reused, (int, float)) and reused > 0:
+        prompt += f" (+{int(reused):,} reused)"
+    ttft = stats.get("ttft_s")
+    first = "–"
+    if isinstance(ttft, (int, float)) and ttft > 0:
+        first = f"{ttft * 1000:,.0f} ms" if ttft < 10 else f"{ttft:,.1f} s"
+    return (f"{prompt}, prefill {rate('prefill_tok_s')} · reply {count('completion_tokens')} "
+            f"tok, decode {rate('decode_tok_s')} · TTFT {first}")
+
+
 def last_code_block(text: str) -> str | None:
     """The body of the last fenced code block in `text` (an unclosed one counts), or None."""
     blocks = CODE_BLOCK.findall(text)
@@ -23,7 +52,14 @@ def last_code_block(text: str) -> str | None:
 
 
 class MessageView(Vertical, can_focus=True):
-    """A message: a header line and a Markdown body."""
+    """A message: a header line, a Markdown body and, for a reply with stats, a stats line."""
+
+    DEFAULT_CSS = """
+    MessageView > .message-stats {
+        color: $text-muted;
+        text-style: dim;
+    }
+    """
 
     BINDINGS = [
         Binding("c", "copy", "Copy", show=False),
@@ -39,7 +75,8 @@ class MessageView(Vertical, can_focus=True):
             self.view = view
 
     def __init__(self, role: str, content: str = "", *, author: str = "",
-                 status: str = "done", message_id: int | None = None) -> None:
+                 status: str = "done", message_id: int | None = None,
+                 stats: Mapping[str, Any] | None = None) -> None:
         super().__init__(classes=f"message -{role}")
         self.role = role
         self.content = content
@@ -47,10 +84,27 @@ class MessageView(Vertical, can_focus=True):
         self.status = status
         self.message_id = message_id
         self.error: str | None = None
+        self.stats: Mapping[str, Any] | None = stats or None
 
     def compose(self) -> ComposeResult:
         yield Label(self._header(), classes="message-header", markup=False)
         yield Markdown(self.content, classes="message-body")
+        yield Label(self.stats_text, classes="message-stats", markup=False)
+
+    def on_mount(self) -> None:
+        self.query_one(".message-stats", Label).display = bool(self.stats)
+
+    @property
+    def stats_text(self) -> str:
+        """The stats line under the reply ("" when it has no stats)."""
+        return reply_stats_line(self.stats) if self.stats else ""
+
+    def set_stats(self, stats: Mapping[str, Any] | None) -> None:
+        """Show a finished reply's stats (`ReplyStats.to_dict()`) under it."""
+        self.stats = stats or None
+        line = self.query_one(".message-stats", Label)
+        line.update(self.stats_text)
+        line.display = bool(self.stats)
 
     @property
     def body(self) -> Markdown:

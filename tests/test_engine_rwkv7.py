@@ -1,0 +1,301 @@
+"""The compiled RWKV-7 engine against the `rwkv` package's `RWKV_x070` (cpu fp32) on the same
+BlinkDL `.pth` (tiny random checkpoints, bfloat16 as published), its recurrent state under the
+runtime's sequence operations, `.pth` version detection and `localchat convert FILE.pth`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from localchat.cli import main
+from localchat.engine.models import rwkv7_pth
+from localchat.engine.models.rwkv4_pth import prepare_pth_source
+from localchat.engine.models.rwkv7 import Rwkv7Config, state_bytes
+from localchat.engine.runtime import Model
+from localchat.errors import UnsupportedModelError
+
+from fixtures import cache_dir, converted, rwkv_package_dir
+from model_oracle import rel_err, run_teacher_forced
+from rwkv7_variants import BASE, build_variant, reference_greedy
+
+PROMPT = [int(t) for t in np.random.RandomState(7).randint(0, BASE["vocab_size"], 24)]
+STEPS = 24
+ENGLISH = "The quick brown fox jumps over the lazy dog, and then it"
+MIXED = "Hello 世界! Привет, мир. こんにちは 🌍 — café"
+
+
+def run_greedy(model: Model, prompt: list[int], steps: int) -> list[int]:
+    seq = model.new_sequence()
+    try:
+        tok = int(np.argmax(model.prefill(seq, prompt)))
+        out = [tok]
+        for _ in range(steps - 1):
+            tok = int(np.argmax(model.decode([seq], [tok])[0]))
+            out.append(tok)
+        return out
+    finally:
+        model.remove(seq)
+
+
+def source_folder(variant: str) -> Path:
+    """The converter folder of a variant's `.pth` (made once, in the test cache)."""
+    pth = build_variant(variant) / "model.pth"
+    return prepare_pth_source(pth, cache_dir() / "variants" / f"{pth.parent.name}-folder")
+
+
+@pytest.fixture(scope="module")
+def pth() -> Path:
+    return build_variant("rwkv7-odd") / "model.pth"
+
+
+@pytest.fixture(scope="module")
+def reference(pth: Path) -> tuple[list[int], np.ndarray]:
+    return reference_greedy(pth, PROMPT, STEPS)
+
+
+@pytest.fixture(scope="module")
+def q0f32_dir() -> Path:
+    return converted(source_folder("rwkv7-odd"), "q0f32")
+
+
+@pytest.fixture(scope="module")
+def model(q0f32_dir: Path) -> Model:
+    return Model(q0f32_dir, "cpu", prefill_chunk_size=16)
+
+
+def test_the_checkpoint_is_read_as_rwkv7(pth: Path) -> None:
+    cfg = json.loads((source_folder("rwkv7-odd") / "config.json").read_text())
+    assert cfg["architectures"] == ["Rwkv7ForCausalLM"]
+    parsed = Rwkv7Config.from_hf(cfg)
+    assert (parsed.hidden_size, parsed.num_heads, parsed.head_size) == (96, 3, 32)
+    assert (parsed.decay_low_rank_dim, parsed.a_low_rank_dim, parsed.v_low_rank_dim,
+            parsed.gate_low_rank_dim) == (24, 16, 24, 40)
+    assert parsed.intermediate_size == 344 and parsed.vocab_size == 1001
+    assert torch.load(pth)["emb.weight"].dtype == torch.bfloat16  # as BlinkDL publishes
+
+
+def test_q0f32_greedy_equals_the_rwkv_package(model: Model, reference) -> None:
+    ref_tokens, ref_logits = reference
+    ours = run_teacher_forced(model, PROMPT, ref_tokens)
+    worst = max(rel_err(o, r) for o, r in zip(ours, ref_logits))
+    assert worst <= 1e-4, f"max relative error {worst:.2e}"
+    assert run_greedy(model, PROMPT, STEPS) == ref_tokens
+    assert len(set(ref_tokens)) > STEPS // 2  # the oracle does not just repeat itself
+
+
+# (tensor, value): each switches one term of the time-mix off
+ABLATIONS = {
+    "bonus r_k": ("blocks.1.att.r_k", 0.0),
+    "value residual": ("blocks.1.att.v0", -30.0),
+    "k_a": ("blocks.0.att.k_a", 0.0),
+    "decay LoRA": ("blocks.0.att.w1", 0.0),
+    "a LoRA": ("blocks.1.att.a1", 0.0),
+    "gate LoRA": ("blocks.0.att.g1", 0.0),
+}
+
+
+@pytest.mark.parametrize("term", list(ABLATIONS))
+def test_every_term_matters(term: str, pth: Path, reference, model: Model,
+                            tmp_path: Path) -> None:
+    """The random values are in a range where each term moves the logits far past the
+    tolerance the reference comparison uses: the match above could not hold without it."""
+    name, value = ABLATIONS[term]
+    weights = torch.load(pth)
+    weights[name] = torch.full_like(weights[name], value)
+    torch.save(weights, tmp_path / "ablated.pth")
+    folder = prepare_pth_source(tmp_path / "ablated.pth", tmp_path / "src")
+    from localchat.engine.build.convert import convert_model
+
+    ablated = Model(convert_model(folder, tmp_path / "model", "q0f32"), "cpu")  # same library
+    seq = ablated.new_sequence()
+    logits = ablated.prefill(seq, PROMPT)
+    assert rel_err(logits, reference[1][0]) > 1e-2, term
+
+
+def test_q4f32_top1_agreement(reference) -> None:
+    ref_tokens, ref_logits = reference
+    model = Model(converted(source_folder("rwkv7-odd"), "q4f32_1"), "cpu")
+    ours = run_teacher_forced(model, PROMPT, ref_tokens)
+    agree = np.mean([int(o.argmax() == r.argmax()) for o, r in zip(ours, ref_logits)])
+    assert agree >= 0.9, f"top-1 agreement {agree:.0%}"
+    worst = max(rel_err(o, r) for o, r in zip(ours, ref_logits))
+    assert worst > 1e-4  # it is the 4-bit model
+
+
+def test_chunked_prefill_equals_token_by_token(model: Model) -> None:
+    prompt = PROMPT + PROMPT[:16]  # 40 tokens: 3 chunks of 16
+    seq = model.new_sequence()
+    chunked = model.prefill(seq, prompt)
+    after_chunked = model.decode([seq], [5])[0]
+    model.remove(seq)
+    seq = model.new_sequence()
+    step = model.prefill(seq, prompt[:1])
+    for tok in prompt[1:]:
+        step = model.decode([seq], [tok])[0]
+    after_step = model.decode([seq], [5])[0]
+    model.remove(seq)
+    assert rel_err(chunked, step) <= 1e-5
+    assert rel_err(after_chunked, after_step) <= 1e-5
+
+
+def test_batch_equals_each_alone(model: Model) -> None:
+    a_prompt, b_prompt = PROMPT[:9], PROMPT[4:]
+
+    def alone(prompt: list[int]) -> list[np.ndarray]:
+        seq = model.new_sequence()
+        logits = [model.prefill(seq, prompt)]
+        for _ in range(6):
+            logits.append(model.decode([seq], [int(np.argmax(logits[-1]))])[0])
+        model.remove(seq)
+        return logits
+
+    a, b = model.new_sequence(), model.new_sequence()
+    first = model.batch_prefill([a, b], [a_prompt, b_prompt])
+    together = [[first[0]], [first[1]]]
+    for _ in range(6):
+        toks = [int(np.argmax(together[0][-1])), int(np.argmax(together[1][-1]))]
+        logits = model.decode([a, b], toks)
+        together[0].append(logits[0])
+        together[1].append(logits[1])
+    model.remove(a)
+    model.remove(b)
+    for got, want in zip(together, [alone(a_prompt), alone(b_prompt)]):
+        assert max(rel_err(g, w) for g, w in zip(got, want)) <= 1e-5
+
+
+def test_fork_continues_independently(model: Model) -> None:
+    parent = model.new_sequence()
+    model.prefill(parent, PROMPT[:12])
+    child = model.fork(parent)
+    from_parent = model.decode([parent], [PROMPT[12]])[0]
+    from_child = model.decode([child], [PROMPT[13]])[0]
+    for s in (parent, child):
+        model.remove(s)
+    for tokens, got in ((PROMPT[:13], from_parent), (PROMPT[:12] + [PROMPT[13]], from_child)):
+        seq = model.new_sequence()
+        want = model.prefill(seq, tokens)
+        model.remove(seq)
+        assert rel_err(got, want) <= 1e-5
+
+
+def test_state_size_is_reported(model: Model) -> None:
+    cfg = model.config
+    heads = cfg.hidden_size // cfg.head_size
+    per_seq = cfg.num_hidden_layers * (2 * cfg.hidden_size + heads * cfg.head_size ** 2) * 4
+    assert model.kv_cache_bytes() == per_seq * model.max_batch_size == state_bytes(
+        cfg, model.max_batch_size)
+
+
+def test_debug_against_the_pth_has_no_divergent_layer(q0f32_dir: Path, pth: Path,
+                                                       monkeypatch) -> None:
+    from localchat.engine.debug import debug_model
+
+    monkeypatch.syspath_prepend(str(rwkv_package_dir()))  # the `rwkv` package's reference
+    report = debug_model(q0f32_dir, pth, token_ids=PROMPT[:19])
+    assert report.first_divergent_layer is None and report.top1_agreement == 1.0
+    assert report.logits.rel_err < 1e-5
+    assert [row.layer for row in report.layers] == [0, 1]
+    for row in report.layers:  # no block outputs from that reference: each layer's state
+        assert row.rel_err is None and row.state_rel_err < 1e-5
+
+
+def _fake_checkpoint(path: Path, names: list[str]) -> Path:
+    torch.save({n: torch.zeros(2, 2, dtype=torch.bfloat16) for n in names}, path)
+    return path
+
+
+@pytest.mark.parametrize("version,names", [
+    (6, ["emb.weight", "blocks.0.att.time_faaaa", "blocks.0.att.time_decay_w1",
+         "blocks.0.att.ln_x.weight"]),
+    (5, ["emb.weight", "blocks.0.att.time_faaaa", "blocks.0.att.ln_x.weight"]),
+])
+def test_rwkv5_and_6_are_refused_naming_what_runs(version: int, names: list[str],
+                                                 tmp_path: Path, capsys) -> None:
+    pth = _fake_checkpoint(tmp_path / "finch.pth", names)
+    assert rwkv7_pth.checkpoint_version(names) == version
+    with pytest.raises(UnsupportedModelError, match=f"RWKV-{version} checkpoint.*RWKV-4 and "
+                       "RWKV-7"):
+        prepare_pth_source(pth, tmp_path / "out")
+    assert main(["convert", str(pth), "-o", str(tmp_path / "model"), "--no-compile"]) != 0
+    err = capsys.readouterr().err
+    assert f"RWKV-{version}" in err and "Traceback" not in err
+    assert not (tmp_path / "model").exists()
+
+
+def test_version_detection() -> None:
+    assert rwkv7_pth.checkpoint_version(["emb.weight", "blocks.0.att.time_first"]) == 4
+    assert rwkv7_pth.checkpoint_version(["blocks.0.att.k_k", "blocks.0.att.r_k"]) == 7
+
+
+def test_convert_a_world_pth_and_chat_tokens_equal_the_reference(tmp_path: Path,
+                                                                 monkeypatch) -> None:
+    """`localchat convert FILE.pth` with no vocabulary beside the file: the World tokenizer
+    comes from elsewhere (here the `rwkv` package), the World template is recorded, and the
+    greedy continuation of an English and a mixed-script prompt equals the reference's."""
+    monkeypatch.syspath_prepend(str(rwkv_package_dir()))
+    from localchat.engine.tokenizer import load_tokenizer
+
+    pth = build_variant("rwkv7-world") / "model.pth"
+    assert not (pth.parent / "rwkv_vocab_v20230424.txt").exists()
+    out = tmp_path / "model"
+    assert main(["convert", str(pth), "-o", str(out), "--quant", "q0f32", "--no-compile"]) == 0
+    meta = json.loads((out / "localchat-config.json").read_text())
+    assert meta["architecture"] == "rwkv7" and meta["template"] == "rwkv_world"
+    assert (out / "rwkv_vocab_v20230424.txt").is_file()
+    model = Model(out, "cpu")  # compiled once into the library cache
+    tok = load_tokenizer(out)
+    for text in (ENGLISH, MIXED):
+        ids = tok.encode(text)
+        assert len(ids) > 5
+        ref_tokens, _ = reference_greedy(pth, ids, STEPS)
+        assert run_greedy(model, ids, STEPS) == ref_tokens
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_cuda_kernels_build() -> None:
+    """The GPU variant of the scan (one block per head, a thread per state row) and the model
+    around it build for CUDA (scheduled as tests/test_engine_rwkv.py's RWKV-4 build is)."""
+    import tvm
+    from tvm.relax.backend import gpu_generic
+    from tvm.s_tir import dlight as dl
+
+    from localchat.engine.build.compile import export_module
+    from localchat.engine.build.convert import read_hf_config
+    from localchat.engine.build.quantization import get_quant_mode
+    from localchat.engine.device import cuda_target
+    from localchat.engine.models import detect_architecture
+
+    hf = read_hf_config(source_folder("rwkv7-odd"))
+    arch = detect_architecture(hf)
+    target = cuda_target("sm_80")
+    rules = dl.ApplyDefaultSchedule(
+        dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()
+    )
+    passes = (
+        gpu_generic.library_dispatch_passes(target)
+        + gpu_generic.legalize_passes(target)[:-1]
+        + [rules]
+        + gpu_generic.dataflow_lower_passes(target)
+        + gpu_generic.finalize_passes(target)
+    )
+
+    @tvm.transform.module_pass(opt_level=0)
+    def pipeline(mod, _ctx):
+        with target:
+            return tvm.transform.Sequential(passes)(mod)
+
+    mod, _ = export_module(arch, arch.config_from_hf(hf), get_quant_mode("q4f16_1"), target)
+    ex = tvm.compile(mod, target=target, relax_pipeline=pipeline)
+
+    def modules(m):
+        yield m
+        for child in m.imports:
+            yield from modules(child)
+
+    sources = [m.inspect_source() for m in modules(ex.mod) if m.kind == "cuda"]
+    assert sources and "wkv7_scan" in sources[0] and "__syncthreads" in sources[0]
