@@ -3,7 +3,11 @@
 A recipe says where a model comes from (hub repo and pinned revision, optional offline source),
 what it is (architecture, template, context window) and how to build it by default
 (quantization per device kind). `resolve_recipe` turns a user's name into a recipe, or fails
-with close matches.
+with close matches; `catalogue` lists them in the order `list --available` and the TUI show.
+
+Most sources are transformers repos (config.json, tokenizer, weights). A recipe whose
+`source.file` is set instead takes that one file of the repo and nothing else: BlinkDL
+publishes every RWKV-7 World size as a lone `.pth` side by side in one repo.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import re
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import date, datetime
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -32,6 +37,9 @@ QUANT_RE = re.compile(r"^q\d+f(16|32)(_\d+|_asym)?$")  # q4f32_1, q4f32_asym, ..
 IDENT_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 OFFLINE_KINDS = ("pypi-wheel",)
+# what `source.file` may name: single-file checkpoints the pull prepares itself (BlinkDL RWKV)
+SOURCE_FILE_SUFFIXES = (".pth",)
+LINE_RE = re.compile(r"^[a-z]+")  # a recipe's line: its name's leading letters (qwen, rwkv, ...)
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,8 @@ class Recipe:
     offline: tuple[OfflineSource, ...] = ()
     description: str = ""
     path: Path | None = field(default=None, compare=False)
+    file: str = ""  # the one file of `repo` to fetch ("" : the repo is a transformers model)
+    released: date | None = None  # when the weights were published (orders the catalogue)
 
     def default_quantization(self, device_kind: str) -> str:
         """The quantization to build for a device kind ("gpu" or "cpu")."""
@@ -107,12 +117,14 @@ _TOP_KEYS = {
     "source": dict,
     "quantization": dict,
     "offline": list,
+    "released": date,
 }
-_REQUIRED_TOP = set(_TOP_KEYS) - {"description", "offline"}
+_REQUIRED_TOP = set(_TOP_KEYS) - {"description", "offline", "released"}
 
 
 def _type_name(kind: type) -> str:
-    return {str: "a string", int: "an integer", dict: "a table", list: "an array"}[kind]
+    return {str: "a string", int: "an integer", dict: "a table", list: "an array",
+            date: "a date (YYYY-MM-DD, unquoted)"}[kind]
 
 
 def validate_recipe(data: Mapping[str, Any], where: str = "recipe") -> list[str]:
@@ -126,7 +138,8 @@ def validate_recipe(data: Mapping[str, Any], where: str = "recipe") -> list[str]
         for key, value in table.items():
             if key not in spec:
                 problems.append(f"{where}: unknown key {prefix}{key}")
-            elif not isinstance(value, spec[key]) or isinstance(value, bool):
+            elif (not isinstance(value, spec[key]) or isinstance(value, bool)
+                  or (spec[key] is date and isinstance(value, datetime))):
                 problems.append(f"{where}: {prefix}{key} must be {_type_name(spec[key])}")
 
     check(data, _TOP_KEYS, _REQUIRED_TOP, "")
@@ -144,11 +157,12 @@ def validate_recipe(data: Mapping[str, Any], where: str = "recipe") -> list[str]
         problems.append(f"{where}: display_name and license must not be empty")
 
     source = data["source"]
-    check(source, {"repo": str, "revision": str}, ("repo", "revision"), "source.")
+    check(source, {"repo": str, "revision": str, "file": str}, ("repo", "revision"), "source.")
     if isinstance(source.get("repo"), str) and not REPO_ID_RE.match(source["repo"]):
         problems.append(f"{where}: source.repo {source['repo']!r} is not an org/name repo id")
     if isinstance(source.get("revision"), str) and not source["revision"].strip():
         problems.append(f"{where}: source.revision must not be empty")
+    problems += _file_problems(source.get("file"), where)
 
     quant = data["quantization"]
     check(quant, {k: str for k in DEVICE_KINDS}, DEVICE_KINDS, "quantization.")
@@ -170,6 +184,20 @@ def validate_recipe(data: Mapping[str, Any], where: str = "recipe") -> list[str]
         if isinstance(entry.get("sha256"), str) and not SHA256_RE.match(entry["sha256"]):
             problems.append(f"{where}: {prefix}sha256 must be 64 lowercase hex digits")
     return problems
+
+
+def _file_problems(file: object, where: str) -> list[str]:
+    """What is wrong with a `source.file` value (nothing when it is absent or fine)."""
+    if not isinstance(file, str):
+        return []
+    parts = file.split("/")
+    if (not file or file.startswith(("/", "~")) or "\\" in file
+            or any(p in ("", ".", "..") for p in parts)):
+        return [f"{where}: source.file {file!r} must be a path inside the repo"]
+    if not file.lower().endswith(SOURCE_FILE_SUFFIXES):
+        return [f"{where}: source.file {file!r} must be one of "
+                f"{', '.join(SOURCE_FILE_SUFFIXES)} (a single-file checkpoint)"]
+    return []
 
 
 def recipe_from_dict(data: Mapping[str, Any], path: Path | None = None) -> Recipe:
@@ -202,6 +230,8 @@ def recipe_from_dict(data: Mapping[str, Any], path: Path | None = None) -> Recip
         offline=offline,
         description=data.get("description", ""),
         path=path,
+        file=data["source"].get("file", ""),
+        released=data.get("released"),
     )
 
 
@@ -235,6 +265,34 @@ def all_recipes(directory: Path | None = None) -> dict[str, Recipe]:
     return dict(_load_dir(str(directory or packaged_recipe_dir())))
 
 
+def catalogue_key(recipe: Recipe) -> tuple[str, int, str]:
+    """The catalogue's order: lines (a name's leading letters: gemma, qwen, rwkv...) from a to
+    z; within a line the newest release first (`released`; undated ones after the dated), then
+    by name. So RWKV-7 comes before RWKV-4 and the catalogue is otherwise alphabetical."""
+    match = LINE_RE.match(recipe.name)
+    newest_first = -recipe.released.toordinal() if recipe.released else 0
+    return (match.group(0) if match else recipe.name, newest_first, recipe.name)
+
+
+def catalogue(directory: Path | None = None) -> list[Recipe]:
+    """The recipes in the order the catalogue shows them (`catalogue_key`)."""
+    return sorted(all_recipes(directory).values(), key=catalogue_key)
+
+
+def recipes_of_repo(repo: str, directory: Path | None = None) -> list[Recipe]:
+    """The recipes whose source is hub repo `repo` (case-insensitive), by name."""
+    return [r for r in all_recipes(directory).values() if r.repo.lower() == repo.lower()]
+
+
+def ambiguous_repo_error(repo: str, recipes: list[Recipe]) -> UnknownRecipeError:
+    """The error for a repo id that several recipes share (one file each): name one of them."""
+    names = sorted(r.name for r in recipes)
+    return UnknownRecipeError(
+        f"{repo} holds several models, one file each; pull one by name: {', '.join(names)}",
+        names,
+    )
+
+
 def close_matches(name: str, names: Iterable[str], limit: int = 3) -> list[str]:
     """Names that look like `name`: same prefix or substring first, then fuzzy matches."""
     names = sorted(names)
@@ -254,9 +312,11 @@ def resolve_recipe(name: str, directory: Path | None = None) -> Recipe:
     key = name.strip().lower()
     if key in recipes:
         return recipes[key]
-    for recipe in recipes.values():
-        if recipe.repo.lower() == key:
-            return recipe
+    of_repo = recipes_of_repo(key, directory)
+    if len(of_repo) > 1:
+        raise ambiguous_repo_error(name.strip(), of_repo)
+    if of_repo:
+        return of_repo[0]
     suggestions = close_matches(key, recipes)
     hint = f" Did you mean: {', '.join(suggestions)}?" if suggestions else ""
     raise UnknownRecipeError(

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import re
 import sys
+from datetime import date, datetime
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,8 @@ from localchat.prebuilt import (
 )
 from localchat.recipes import (
     all_recipes,
+    catalogue,
+    catalogue_key,
     load_recipe,
     packaged_recipe_dir,
     recipe_from_dict,
@@ -45,6 +49,7 @@ REQUIRED = [
     "rwkv7-g1-1.5b",
     # embedding models (issue 28)
     "all-minilm-l6-v2", "bge-small-en-v1.5", "bge-base-en-v1.5", "nomic-embed-text-v1.5",
+    "qwen3-embedding-0.6b",
     # the new architectures (issue 24)
     "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "gemma-3-270m-it", "gemma-3-1b-it",
     "gemma-3-4b-it", "gemma-2-2b-it", "phi-3.5-mini-instruct", "phi-4-mini-instruct",
@@ -59,7 +64,8 @@ def test_every_recipe_file_validates(path: Path) -> None:
     assert validate_recipe(data, path.name) == []
     recipe = load_recipe(path)
     assert recipe.name == path.stem
-    embedding = recipe.architecture in EMBEDDING_ARCHITECTURES
+    # Qwen3-Embedding's model_type is qwen3: an embedding recipe is also told by its raw template
+    embedding = recipe.architecture in EMBEDDING_ARCHITECTURES or recipe.template == "raw"
     assert recipe.default_quantization("gpu") == ("q0f16" if embedding else "q4f16_1")
     assert recipe.default_quantization("cpu") == ("q0f32" if embedding else "q4f32_1")
 
@@ -93,6 +99,14 @@ def _valid() -> dict[str, Any]:
     (lambda d: d.pop("license"), "missing license"),
     (lambda d: d.update(offline=[{"kind": "git", "package": "x", "version": "1", "file": "f"}]),
      "offline[0].kind must be one of"),
+    (lambda d: d["source"].update(file="../x.pth"), "source.file '../x.pth' must be a path"),
+    (lambda d: d["source"].update(file="/abs/x.pth"), "must be a path inside the repo"),
+    (lambda d: d["source"].update(file="a//x.pth"), "must be a path inside the repo"),
+    (lambda d: d["source"].update(file="model.safetensors"), "must be one of .pth"),
+    (lambda d: d["source"].update(file="x.py"), "must be one of .pth"),
+    (lambda d: d["source"].update(file=3), "source.file must be a string"),
+    (lambda d: d.update(released="2024-12-10"), "released must be a date"),
+    (lambda d: d.update(released=datetime(2024, 12, 10, 8)), "released must be a date"),
 ])
 def test_schema_violations_are_reported(change: Any, message: str) -> None:
     data = _valid()
@@ -204,3 +218,49 @@ def test_recipe_templates_are_engine_builtins() -> None:
     # zephyr (TinyLlama), tulu (OLMo 2), deepseek-r1: the repo's own chat_template is used
     # first; a builtin is still to come
     assert used - set(BUILTIN_TEMPLATES) <= {"zephyr", "tulu", "deepseek-r1"}
+
+
+# BlinkDL single-file sources and the catalogue's order (issue 26) -------------------------------
+RWKV7 = sorted(n for n in REQUIRED if n.startswith("rwkv7-"))
+RWKV4_WORLD = sorted(n for n in REQUIRED if n.startswith("rwkv-world-"))
+
+
+def test_rwkv7_recipes_name_their_one_pth_and_its_date() -> None:
+    recipes = all_recipes()
+    for name in RWKV7:
+        recipe = recipes[name]
+        assert recipe.repo.startswith("BlinkDL/") and recipe.file.endswith("-ctx4096.pth")
+        size = name.rsplit("-", 1)[1]  # 0.1b, 2.9b, 1.5b ...
+        assert size.upper().rstrip("B") in recipe.file.upper(), (name, recipe.file)
+        stamp = re.search(r"-(\d{8})-", recipe.file)
+        assert stamp and recipe.released == datetime.strptime(stamp.group(1), "%Y%m%d").date()
+        text = recipe.path.read_text() if recipe.path else ""
+        assert "one .pth among several" not in text  # the name moved from a comment to the key
+    world = [recipes[n] for n in RWKV7 if "world" in n]
+    assert len({r.repo for r in world}) == 1 and len({r.file for r in world}) == len(world)
+    # RWKV-4 World comes from the RWKV org's transformers repos (config.json + weights): no file
+    for name in RWKV4_WORLD:
+        assert recipes[name].repo.startswith("RWKV/") and recipes[name].file == ""
+
+
+def test_source_file_and_released_load_into_the_recipe() -> None:
+    data = _valid()
+    data["source"]["file"] = "sub/model.pth"
+    data["released"] = date(2025, 1, 2)
+    recipe = recipe_from_dict(data)
+    assert (recipe.file, recipe.released) == ("sub/model.pth", date(2025, 1, 2))
+    assert recipe_from_dict(_valid()).file == "" and recipe_from_dict(_valid()).released is None
+
+
+def test_catalogue_lists_lines_alphabetically_and_newer_releases_first() -> None:
+    names = [r.name for r in catalogue()]
+    assert sorted(names) == sorted(REQUIRED)
+    assert max(names.index(n) for n in RWKV7) < min(names.index(n) for n in RWKV4_WORLD)
+    rwkv7 = [all_recipes()[n] for n in names if n in RWKV7]
+    assert [r.released for r in rwkv7] == sorted((r.released for r in rwkv7), reverse=True)
+    assert names[names.index("rwkv7-g1-1.5b") + 1] == "rwkv7-world-2.9b"
+    keys = [catalogue_key(r) for r in catalogue()]
+    assert [k[0] for k in keys] == sorted(k[0] for k in keys)  # lines stay a to z
+    # undated recipes keep the alphabetical order they always had
+    undated = [r.name for r in catalogue() if r.released is None]
+    assert undated == sorted(undated, key=lambda n: (re.match(r"[a-z]+", n).group(0), n))

@@ -1,4 +1,5 @@
-"""`localchat list`: the models in the local store (or, with --available, the known names)."""
+"""`localchat list`: the models in the local store (or, with --available, the known names in
+the catalogue's order)."""
 
 from __future__ import annotations
 
@@ -73,12 +74,14 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def _list_available(args: argparse.Namespace) -> int:
-    from localchat.recipes import all_recipes
+    from localchat.recipes import catalogue
 
-    recipes = sorted(all_recipes().values(), key=lambda r: r.name)
+    recipes = catalogue()  # by line, newer releases first (RWKV-7 before RWKV-4)
     if args.json:
-        print(json.dumps([{"name": r.name, "repo": r.repo, "architecture": r.architecture,
-                           "download_mb": r.download_mb, "quantization": dict(r.quantization)}
+        print(json.dumps([{"name": r.name, "repo": r.repo, "file": r.file or None,
+                           "released": r.released.isoformat() if r.released else None,
+                           "architecture": r.architecture, "download_mb": r.download_mb,
+                           "quantization": dict(r.quantization)}
                           for r in recipes], indent=2))
         return 0
     width = max(len(r.name) for r in recipes)

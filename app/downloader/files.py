@@ -1,4 +1,5 @@
-"""Which files of a hub repo a pull needs: config, tokenizer and one weight format, never code.
+"""Which files of a hub repo a pull needs: config, tokenizer and one weight format, never code
+(or, for a recipe that names one, that single file).
 
 Pure functions over repo file listings, so the choice is easy to test and to explain.
 """
@@ -9,7 +10,7 @@ import fnmatch
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from localchat.errors import WeightsError
+from localchat.errors import RemoteNotFoundError, WeightsError
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -132,6 +133,20 @@ def weight_files(
     raise WeightsError(
         "the repo has no weights localchat can read (safetensors, pytorch_model*.bin or .pth)"
     )
+
+
+def source_file(paths: Iterable[str], wanted: str, where: str) -> str:
+    """The one file a recipe's `source.file` names, checked against the repo's listing; when
+    the repo lacks it, the error names the checkpoints it does hold (a renamed upload, say)."""
+    paths = list(paths)
+    if not is_safe_path(wanted) or is_code(wanted):
+        raise WeightsError(f"{where}: refusing the source file {wanted!r}")
+    if wanted in paths:
+        return wanted
+    suffix = wanted[wanted.rfind("."):] if "." in wanted else ""
+    alike = sorted(p for p in paths if suffix and p.endswith(suffix))
+    listed = f"; it holds: {', '.join(alike)}" if alike else ""
+    raise RemoteNotFoundError(f"{where} has no file {wanted} (the recipe's source.file){listed}")
 
 
 def prebuilt_files(paths: Iterable[str]) -> list[str]:

@@ -1,5 +1,8 @@
 """`localchat pull`: name -> recipe -> prebuilt? -> download -> convert -> compile -> register.
 
+A recipe with `source.file` downloads that one file of its repo (a BlinkDL RWKV `.pth`), makes
+it a converter folder with `prepare_pth_source` and goes on as for a transformers repo.
+
 The engine steps (config check, conversion, compilation) come in as `EngineHooks`, so the
 orchestration runs and is tested without TVM; `engine_hooks()` builds the real ones.
 """
@@ -10,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -42,7 +46,13 @@ from localchat.prebuilt import (
     PrebuiltMatch,
     find_prebuilt,
 )
-from localchat.recipes import REPO_ID_RE, Recipe, all_recipes, resolve_recipe
+from localchat.recipes import (
+    REPO_ID_RE,
+    Recipe,
+    ambiguous_repo_error,
+    recipes_of_repo,
+    resolve_recipe,
+)
 from localchat.store import Store, StoredModel, safe_name
 
 MODEL_CONFIG = md.CONFIG_FILE
@@ -53,6 +63,16 @@ SENTENCE_TRANSFORMERS_FILES = ("modules.json", "sentence_bert_config.json",
 Log = Callable[[str], None]
 CheckConfigFn = Callable[[dict[str, Any]], str]
 CompileFn = Callable[[Path], Path]
+PreparePthFn = Callable[[Path, Path], Path]
+
+
+def prepare_pth(checkpoint: Path, dest: Path) -> Path:
+    """`rwkv4_pth.prepare_pth_source`: a converter folder at `dest` made from a BlinkDL `.pth`
+    (its RWKV version from the tensor names, config.json from their shapes, the World
+    vocabulary); imported here so that a pull of anything else never loads the engine."""
+    from localchat.engine.models.rwkv4_pth import prepare_pth_source
+
+    return prepare_pth_source(checkpoint, dest)
 
 
 class ConvertFn(Protocol):
@@ -87,6 +107,9 @@ class EngineHooks:
     # (.gguf file, device kind) -> the quantization the file calls for when none is asked for
     # (None: the recipe default); None: always the recipe default
     gguf_quantization: Callable[[Path, str], str | None] | None = None
+    # (.pth file, empty folder) -> that folder made readable by `convert` (recipes whose
+    # source is one BlinkDL checkpoint, `source.file`)
+    prepare_pth: PreparePthFn = prepare_pth
 
     def library_stem(self, model_dir: Path) -> str | None:
         """The file stem under `model_dir/lib/` of this device's library (None: no target)."""
@@ -169,11 +192,11 @@ def parse_source(ref: str, recipes_dir: Path | None = None) -> PullSource:
         repo, _, revision = ref.partition("@")
         if not REPO_ID_RE.match(repo):
             raise ModelNotFoundError(f"{ref!r} is not a hub repo id (org/name[@revision])")
-        for recipe in all_recipes(recipes_dir).values():
-            if recipe.repo.lower() == repo.lower():
-                if revision and revision != recipe.revision:
-                    return PullSource("hub", Recipe.adhoc(repo, revision))
-                return PullSource("recipe", recipe)
+        matching = recipes_of_repo(repo, recipes_dir)
+        if matching and (not revision or revision == matching[0].revision):
+            if len(matching) > 1:  # one repo, a file per recipe (BlinkDL): the id says too little
+                raise ambiguous_repo_error(repo, matching)
+            return PullSource("recipe", matching[0])
         return PullSource("hub", Recipe.adhoc(repo, revision or "main"))
     return PullSource("recipe", resolve_recipe(ref, recipes_dir))
 
@@ -381,12 +404,47 @@ class _Puller:
             if existing is not None:
                 return self._finish_existing(existing)
             dest = self._download_dir(snapshot)
+            if recipe.file:
+                return self._pull_file(snapshot, dest, library)
             with self._downloading():
                 self._download_source(snapshot, dest)
             result = self._build(dest, origin="hub", library=library, snapshot=snapshot)
             if not self.keep_download:
                 _remove_download(dest)
             return result
+
+    def _pull_file(self, snapshot: RepoSnapshot, dest: Path,
+                   library: PrebuiltLibrary | None) -> PullResult:
+        """The recipe's one file of the repo (`source.file`, a BlinkDL `.pth`): download it
+        alone, make it a converter folder (`hooks.prepare_pth`), check the architecture the
+        folder's config.json names as a repo's would be, then build. Only that file is removed
+        afterwards: the same repo folder may keep another recipe's file (--keep-download)."""
+        where = f"{snapshot.repo_id}@{snapshot.revision}"
+        path = repo_files.source_file(snapshot.paths, self.recipe.file, where)
+        with self._downloading():
+            self.log(f"1 file of {snapshot.repo_id}: {path}")
+            missing = self._missing_bytes(snapshot, [path], dest)
+            source_bytes = snapshot.file(path).size or 0
+            model_bytes = max(_estimate_model_bytes(source_bytes, self.quantization),
+                              self.recipe.disk_mb * 1_000_000)
+            check_free_space({dest: missing, self.store.models_dir: model_bytes},
+                             self.reserve_bytes)
+            checkpoint = self._fetch(snapshot, [path], dest)[path]
+        self.store.downloads_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".pth-import-", dir=self.store.downloads_dir) \
+                as tmp:
+            self.log(f"preparing {checkpoint.name}")
+            folder = self.hooks.prepare_pth(checkpoint, Path(tmp) / checkpoint.stem)
+            config_path = folder / repo_files.CONFIG_FILE
+            try:
+                hf_config = json.loads(config_path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as exc:
+                raise ModelConfigError(f"cannot read {config_path}: {exc}") from None
+            self._check_config(hf_config, f"{snapshot.repo_id}/{path}")
+            result = self._build(folder, origin="hub", library=library, snapshot=snapshot)
+        if not self.keep_download:
+            _remove_download(dest, only=path)
+        return result
 
     def _download_source(self, snapshot: RepoSnapshot, dest: Path) -> None:
         """config.json first (and the check), then tokenizer and index, then the weights."""
@@ -592,8 +650,11 @@ class _Puller:
 
     def _source_info(self, snapshot: RepoSnapshot | None, source: Path) -> dict[str, Any]:
         if snapshot is not None:
-            return {"kind": "hub", "repo": snapshot.repo_id, "revision": snapshot.revision,
+            info = {"kind": "hub", "repo": snapshot.repo_id, "revision": snapshot.revision,
                     "commit": snapshot.commit, "endpoint": self.hub.endpoint}
+            if self.recipe.file and snapshot.repo_id == self.recipe.repo:
+                info["file"] = self.recipe.file  # the one file of the repo it was built from
+            return info
         info = {"kind": "file" if source.is_file() else "folder", "path": str(source)}
         if source.is_file() and source.suffix.lower() == ".gguf":
             info["format"] = "gguf"
@@ -681,9 +742,19 @@ def gguf_parameters(path: Path) -> int:
         return path.stat().st_size * 2
 
 
-def _remove_download(commit_dir: Path) -> None:
-    """Delete one downloaded snapshot, and its repo folder once empty."""
-    shutil.rmtree(commit_dir, ignore_errors=True)
+def _remove_download(commit_dir: Path, only: str | None = None) -> None:
+    """Delete one downloaded snapshot (or only its file `only`), and the folders left empty."""
+    if only is None:
+        shutil.rmtree(commit_dir, ignore_errors=True)
+    else:
+        (commit_dir / only).unlink(missing_ok=True)
+        for folder in [*(commit_dir / only).parents]:
+            if folder == commit_dir.parent:
+                break
+            try:
+                folder.rmdir()
+            except OSError:
+                return
     try:
         commit_dir.parent.rmdir()
     except OSError:

@@ -11,6 +11,7 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Input, Static
 
+from localchat.recipes import catalogue
 from localchat.tui.backend import CatalogEntry, ModelInfo
 from localchat.tui.screens.dialogs import AskScreen, ConfirmScreen, InfoScreen, model_details
 from localchat.tui.widgets.jobs import JobsPanel, human_bytes
@@ -27,6 +28,13 @@ def _ago(t: float | None) -> str:
         if s >= size:
             return f"{s / size:.0f} {unit} ago"
     return "just now"
+
+
+def in_catalogue_order(entries: list[CatalogEntry]) -> list[CatalogEntry]:
+    """`entries` in the recipes' catalogue order (newer releases of a line first, so RWKV-7
+    before RWKV-4), whatever order a backend gave; names no recipe has come last, by name."""
+    rank = {r.name: i for i, r in enumerate(catalogue())}
+    return sorted(entries, key=lambda c: (rank.get(c.name, len(rank)), c.name))
 
 
 class ModelsScreen(Screen[None]):
@@ -71,7 +79,7 @@ class ModelsScreen(Screen[None]):
     def reload(self) -> None:
         """Read the store and the catalog off the UI thread, then show them."""
         backend = self.app.backend  # type: ignore[attr-defined]
-        installed, catalog = backend.models(), backend.catalog()
+        installed, catalog = backend.models(), in_catalogue_order(backend.catalog())
         last_used = self.app.db.last_used()  # type: ignore[attr-defined]
         self.app.call_from_thread(self._show, installed, catalog, last_used)
 
