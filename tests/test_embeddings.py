@@ -15,7 +15,14 @@ import pytest
 from localchat import ContextWindowError, Engine, InvalidRequestError
 from localchat.errors import UnsupportedModelError
 
-from encoder_fixtures import MAX_SEQ_LENGTH, SENTENCES, build_encoder, tiny_chat_model
+from encoder_fixtures import (
+    MAX_SEQ_LENGTH,
+    QWEN3_PROMPTS,
+    SENTENCES,
+    build_encoder,
+    build_qwen3_embedding,
+    tiny_chat_model,
+)
 from fixtures import converted
 
 TEXTS = [SENTENCES[0], "hello", SENTENCES[3] + " " + SENTENCES[1], "a b c", SENTENCES[4]]
@@ -156,8 +163,11 @@ def test_a_chat_model_makes_no_embeddings() -> None:
 def test_the_pooling_is_recorded_at_convert_time() -> None:
     config = json.loads((converted(build_encoder("nomic-cls"), "q0f32")
                          / "localchat-config.json").read_text())
+    # sentence-transformers saves empty "query" and "document" prompts: recorded as they are
     assert config["embedding"] == {"pooling": "cls", "normalize": True,
-                                   "max_tokens": MAX_SEQ_LENGTH, "dimensions": 36}
+                                   "max_tokens": MAX_SEQ_LENGTH, "dimensions": 36,
+                                   "prompts": {"query": "", "document": ""},
+                                   "default_prompt": None}
     assert config["architecture"] == "nomic_bert"
 
 
@@ -207,3 +217,150 @@ def test_what_localchat_cannot_pool_is_refused(tmp_path: Path, extra: list, pool
 
     with pytest.raises(UnsupportedModelError, match=message):
         read_pooling(_st_folder(tmp_path, MODULES + extra, pooling), 128, 36)
+
+
+# -- Qwen3-Embedding: the Qwen3 decoder, causal within each text, pooled at its last token ------
+@pytest.fixture(scope="module")
+def qwen3() -> Engine:
+    """The tiny Qwen3-Embedding at q0f32 (one compile for every test below)."""
+    with Engine.open(converted(build_qwen3_embedding(), "q0f32"), device="cpu") as engine:
+        yield engine
+
+
+def qwen3_reference(texts: list[str], folder: Path | None = None, **kwargs: object
+                    ) -> np.ndarray:
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(folder or build_qwen3_embedding()), device="cpu")
+    return model.encode(texts, **kwargs)
+
+
+def test_qwen3_embedding_converts_from_its_sentence_transformers_files() -> None:
+    config = json.loads((converted(build_qwen3_embedding(), "q0f32")
+                         / "localchat-config.json").read_text())
+    assert config["architecture"] == "qwen3_embedding"
+    assert config["embedding"] == {"pooling": "last", "normalize": True,
+                                   "max_tokens": MAX_SEQ_LENGTH, "dimensions": 72,
+                                   "prompts": QWEN3_PROMPTS, "default_prompt": None}
+
+
+def test_a_qwen3_without_sentence_transformers_files_stays_a_chat_model() -> None:
+    from localchat.engine.models import detect_architecture
+
+    from llama_variants import build_variant
+
+    hf = json.loads((build_variant("qwen3-odd") / "config.json").read_text())
+    assert detect_architecture(hf).name == "qwen3"
+    assert detect_architecture(hf, sentence_transformers=True).name == "qwen3_embedding"
+    # a bare Qwen3Model has no head to chat with
+    assert detect_architecture({**hf, "architectures": ["Qwen3Model"]}).name == "qwen3_embedding"
+    config = json.loads((converted(build_variant("qwen3-odd"), "q0f32")
+                         / "localchat-config.json").read_text())
+    assert config["architecture"] == "qwen3" and "embedding" not in config
+
+
+def test_qwen3_embedding_equals_sentence_transformers(qwen3: Engine) -> None:
+    result = qwen3.embed(TEXTS)
+    ref = qwen3_reference(TEXTS)
+    assert result.vectors.shape == ref.shape == (len(TEXTS), 72)
+    assert cosines(result.vectors, ref).min() >= 0.9999
+    assert np.allclose(np.linalg.norm(result.vectors, axis=1), 1.0, atol=1e-5)
+    # the tokenizer appends the end-of-text token, the one the pooling reads
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(build_qwen3_embedding())
+    ids = [tok(t, truncation=True, max_length=MAX_SEQ_LENGTH)["input_ids"] for t in TEXTS]
+    assert all(i[-1] == tok.eos_token_id for i in ids)
+    assert result.token_counts == [len(i) for i in ids]
+
+
+def test_qwen3_embedding_batch_of_different_lengths_equals_each_text_alone(qwen3: Engine
+                                                                           ) -> None:
+    batch = qwen3.embed(TEXTS)
+    alone = np.stack([qwen3.embed(t).vectors[0] for t in TEXTS])
+    assert len(set(batch.token_counts)) > 2
+    np.testing.assert_allclose(batch.vectors, alone, atol=1e-6)
+
+
+def _rope(t: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotary (rotate-half) of t [n, d] at positions 0..n-1."""
+    a, b = t[:, : t.shape[1] // 2], t[:, t.shape[1] // 2:]
+    return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=1)
+
+
+def _attention_reference(qkv: np.ndarray, starts: list[int], heads: int, kv: int, d: int,
+                         cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Causal grouped-query attention of each packed text, rotary by position in its text,
+    in float64 (numpy, the textbook way)."""
+    out = np.zeros((qkv.shape[0], heads * d))
+    x = qkv.astype(np.float64)
+    for lo, hi in zip(starts[:-1], starts[1:]):
+        n = hi - lo
+        c, s = cos[:n].astype(np.float64), sin[:n].astype(np.float64)
+        for h in range(heads):
+            g = h // (heads // kv)
+            q = _rope(x[lo:hi, h * d:(h + 1) * d], c, s)
+            k = _rope(x[lo:hi, (heads + g) * d:(heads + g + 1) * d], c, s)
+            v = x[lo:hi, (heads + kv + g) * d:(heads + kv + g + 1) * d]
+            scores = q @ k.T / np.sqrt(d) + np.triu(np.full((n, n), -np.inf), 1)
+            p = np.exp(scores - scores.max(axis=1, keepdims=True))
+            out[lo:hi, h * d:(h + 1) * d] = (p / p.sum(axis=1, keepdims=True)) @ v
+    return out
+
+
+def test_causal_grouped_packed_attention_matches_numpy() -> None:
+    import tvm
+
+    from localchat.engine.kernels.encoder import packed_attention
+    from localchat.engine.models.bert import rope_angles
+
+    heads, kv, d, max_len = 4, 2, 22, 24
+    starts = [0, 7, 8, 29]  # 7 tokens, 1, then 21 (several query tiles and key vectors)
+    func = packed_attention(heads, d, max_len, "float32", True, kv_heads=kv, causal=True)
+    built = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
+                        tvm.target.Target({"kind": "llvm", "num-cores": 2}))["main"]
+    rng = np.random.default_rng(7)
+    qkv = (rng.standard_normal((starts[-1], (heads + 2 * kv) * d)) * 2).astype(np.float32)
+    cos, sin = rope_angles(d, 100.0, max_len)
+    dev = tvm.cpu()
+    out = tvm.runtime.tensor(np.full((1, starts[-1], heads * d), np.nan, np.float32), dev)
+    built(tvm.runtime.tensor(qkv[None], dev), tvm.runtime.tensor(np.array(starts, np.int32), dev),
+          tvm.runtime.tensor(cos, dev), tvm.runtime.tensor(sin, dev), out)
+    ref = _attention_reference(qkv, starts, heads, kv, d, cos, sin)
+    np.testing.assert_allclose(out.numpy()[0], ref, rtol=1e-4, atol=1e-5)
+
+
+def test_qwen3_embedding_prompts_as_sentence_transformers(qwen3: Engine, tmp_path: Path
+                                                          ) -> None:
+    query = qwen3.embed(TEXTS, prompt_name="query").vectors
+    assert cosines(query, qwen3_reference(TEXTS, prompt_name="query")).min() >= 0.9999
+    assert cosines(query, qwen3.embed(TEXTS).vectors).max() < 0.999  # the prompt counts
+    np.testing.assert_allclose(qwen3.embed(TEXTS, prompt_name="document").vectors,
+                               qwen3.embed(TEXTS).vectors, atol=1e-6)
+    with pytest.raises(InvalidRequestError, match="unknown prompt_name 'passage'") as err:
+        qwen3.embed(TEXTS, prompt_name="passage")
+    assert err.value.param == "prompt_name"
+    # a default prompt name is used when none is given, as sentence-transformers does
+    source = build_qwen3_embedding(default_prompt="query")
+    with Engine.open(converted(source, "q0f32"), device="cpu") as default:
+        vectors = default.embed(TEXTS).vectors
+    assert cosines(vectors, qwen3_reference(TEXTS, source)).min() >= 0.9999
+    np.testing.assert_allclose(vectors, query, atol=1e-5)
+
+
+def test_prompts_are_read_and_checked(tmp_path: Path) -> None:
+    from localchat.engine.build.pooling import read_prompts
+    from localchat.errors import ModelConfigError
+
+    assert read_prompts(tmp_path) == {}
+    path = tmp_path / "config_sentence_transformers.json"
+    path.write_text(json.dumps({"prompts": {}, "default_prompt_name": None}))
+    assert read_prompts(tmp_path) == {}
+    path.write_text(json.dumps({"prompts": {"q": "Q: "}, "default_prompt_name": "q"}))
+    assert read_prompts(tmp_path) == {"prompts": {"q": "Q: "}, "default_prompt": "q"}
+    path.write_text(json.dumps({"prompts": {"q": "Q: "}, "default_prompt_name": "x"}))
+    with pytest.raises(ModelConfigError, match="default_prompt_name 'x'"):
+        read_prompts(tmp_path)
+    path.write_text(json.dumps({"prompts": {"q": 3}}))
+    with pytest.raises(ModelConfigError, match="prompts must map names to strings"):
+        read_prompts(tmp_path)

@@ -10,6 +10,12 @@ sentence-transformers config says (recorded at convert time: `model_dir.Embeddin
 normalized when it says so, and cut to `dimensions` (Matryoshka: the first values, then scaled
 to unit length again) when asked.
 
+A model whose sentence-transformers config names prompts (Qwen3-Embedding's "query"
+instruction) gets them as `SentenceTransformer.encode` does: `prompt_name` picks one, else the
+config's default prompt (if any) is used; the prompt's text goes before each text input (token-id
+inputs are taken as they are). Decoder-based models (Qwen3-Embedding) pool the last token: the
+end-of-text their tokenizer appends.
+
 A text longer than the model's `max_tokens` (sentence-transformers' max_seq_length) is cut to
 its first `max_tokens` tokens (the end token kept), and the result says which were
 (`Embeddings.truncated`), or, with `truncate=False`, refused with a ContextWindowError.
@@ -121,6 +127,9 @@ class EmbeddingEngine(Engine):
         self.tokens = EmbeddingTokenizer(model.model_dir / "tokenizer.json", settings.max_tokens)
         self.tokenizer = model.tokenizer  # the engine's plain interface (/tokenize uses it)
         self.vocab_size = int(model.meta.get("vocab_size") or self.tokens.vocab_size)
+        recorded = model.meta[md.EMBEDDING_KEY]  # the prompts `build.pooling.read_prompts` kept
+        self.prompts: dict[str, str] = dict(recorded.get("prompts") or {})
+        self.default_prompt: str | None = recorded.get("default_prompt")
         self._lock = threading.Lock()  # one call of the library at a time
         self._closed = False
 
@@ -132,15 +141,19 @@ class EmbeddingEngine(Engine):
 
     # -- embeddings ----------------------------------------------------------------------------
     def embed(self, inputs: EmbedInput | Sequence[EmbedInput], *, dimensions: int | None = None,
-              truncate: bool = True) -> Embeddings:
+              truncate: bool = True, prompt_name: str | None = None) -> Embeddings:
         """The vectors of `inputs` (a text, or a list of texts or of token-id lists), in order.
 
         `dimensions`: keep the first values of each vector and scale it to unit length again
         (Matryoshka models); `truncate`: cut inputs over the model's max_tokens (else refuse
-        them with ContextWindowError)."""
+        them with ContextWindowError); `prompt_name`: one of the model's prompts (`prompts`)
+        to put before each text (None: the model's default prompt, if it has one)."""
         start = time.perf_counter()
         items = self._check_inputs(inputs)
         dims = self._check_dimensions(dimensions)
+        prefix = self._prompt(prompt_name)
+        if prefix:
+            items = [prefix + t if isinstance(t, str) else t for t in items]
         ids, truncated = self._tokenize(items, truncate)
         vectors = np.empty((len(ids), self.settings.dimensions), np.float32)
         for lo, hi in _batches([len(t) for t in ids], BATCH_TOKENS):
@@ -176,6 +189,18 @@ class EmbeddingEngine(Engine):
                 raise InvalidRequestError(
                     f"input[{i}] must be a string or a list of token ids", "input")
         return items
+
+    def _prompt(self, name: Any) -> str:
+        """The text of prompt `name` (None: the default prompt, or none)."""
+        if name is None:
+            name = self.default_prompt
+            if name is None:
+                return ""
+        if not isinstance(name, str) or name not in self.prompts:
+            known = ", ".join(repr(p) for p in self.prompts) or "none"
+            raise InvalidRequestError(f"unknown prompt_name {name!r} (this model's prompts: "
+                                      f"{known})", "prompt_name")
+        return self.prompts[name]
 
     def _check_dimensions(self, dimensions: Any) -> int | None:
         if dimensions is None:

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from localchat import model_dir as md
+from localchat.engine.build.pooling import is_sentence_transformers
 from localchat.engine.build.quantization import (
     QuantMode,
     get_quant_mode,
@@ -152,7 +153,9 @@ def convert_model(
     source_dir, output_dir = Path(source_dir), Path(output_dir)
     hf = read_hf_config(source_dir)
     check_hf_config(hf, source_dir)
-    arch = detect_architecture(hf)
+    # a sentence-transformers folder of a chat architecture is its embedding model (Qwen3 ->
+    # Qwen3-Embedding: the same config.json, only modules.json tells them apart)
+    arch = detect_architecture(hf, sentence_transformers=is_sentence_transformers(source_dir))
     mode = get_quant_mode(quantization)
     config = arch.config_from_hf(hf)
     if prefill_chunk_size:
@@ -212,10 +215,11 @@ def _add_embedding(meta: dict[str, Any], source_dir: Path, config: Any, out: Pat
         SENTENCE_TRANSFORMERS_FILES,
         pooling_files,
         read_pooling,
+        read_prompts,
     )
 
     settings = read_pooling(source_dir, config.context_window_size, config.hidden_size)
-    meta[md.EMBEDDING_KEY] = settings.to_dict()
+    meta[md.EMBEDDING_KEY] = {**settings.to_dict(), **read_prompts(source_dir)}
     for rel in (*SENTENCE_TRANSFORMERS_FILES, *pooling_files(source_dir)):
         if (source_dir / rel).is_file():
             (out / rel).parent.mkdir(parents=True, exist_ok=True)

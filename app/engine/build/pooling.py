@@ -7,6 +7,13 @@ Both spellings of sentence-transformers are read: the Pooling config's `pooling_
 without `modules.json` is a plain transformers model: mean pooling, not normalized, as
 sentence-transformers itself would load it. Modules localchat does not run (Dense, ...) are
 refused rather than silently skipped: the vectors would differ from the model's.
+
+A folder whose modules.json has a Pooling module is a sentence-transformers model
+(`is_sentence_transformers`): convert then takes a chat architecture's embedding variant
+(Qwen3 -> Qwen3-Embedding). Its `config_sentence_transformers.json` prompts (named prefixes of
+the texts, e.g. Qwen3-Embedding's "query" instruction) and default prompt are recorded beside
+the pooling (`read_prompts`), and the runtime prepends them as `SentenceTransformer.encode`
+does.
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ MODULES_FILE = "modules.json"
 ST_CONFIG_FILE = "sentence_bert_config.json"
 # files of a sentence-transformers repo a pull fetches besides the model's (the Pooling
 # module's config.json is found through modules.json)
-SENTENCE_TRANSFORMERS_FILES = (MODULES_FILE, ST_CONFIG_FILE, "config_sentence_transformers.json")
+ST_PROMPTS_FILE = "config_sentence_transformers.json"
+SENTENCE_TRANSFORMERS_FILES = (MODULES_FILE, ST_CONFIG_FILE, ST_PROMPTS_FILE)
 # sentence-transformers' pooling names -> ours; the legacy flags -> the same
 _POOLING = {"mean": "mean", "cls": "cls", "lasttoken": "last", "max": "max"}
 _LEGACY = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls",
@@ -126,3 +134,30 @@ def read_pooling(source_dir: Path, positions: int, dimensions: int) -> Embedding
                 f"{source_dir / MODULES_FILE}: the sentence-transformers module "
                 f"{entry.get('type')!r} is not supported (only Transformer, Pooling, Normalize)")
     return EmbeddingSettings(pooling, normalize, _max_tokens(source_dir, positions), dimensions)
+
+
+def is_sentence_transformers(source_dir: Path) -> bool:
+    """Whether a folder is a sentence-transformers model: its modules.json has a Pooling
+    module (an unreadable modules.json is a ModelConfigError)."""
+    return any(_module_kind(m) == "Pooling" for m in pooling_modules(Path(source_dir)))
+
+
+def read_prompts(source_dir: Path) -> dict[str, Any]:
+    """`config_sentence_transformers.json`'s prompts and default prompt, as recorded in the
+    model's embedding settings: {"prompts": {name: text}, "default_prompt": name or None}; {}
+    when the folder has no prompts."""
+    path = Path(source_dir) / ST_PROMPTS_FILE
+    if not path.is_file():
+        return {}
+    data = _read(path)
+    prompts = data.get("prompts") if isinstance(data, dict) else None
+    if not prompts:
+        return {}
+    if not isinstance(prompts, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in prompts.items()):
+        raise ModelConfigError(f"{path}: prompts must map names to strings")
+    default = data.get("default_prompt_name")
+    if default is not None and default not in prompts:
+        raise ModelConfigError(f"{path}: default_prompt_name {default!r} is not one of the "
+                               f"prompts ({', '.join(prompts)})")
+    return {"prompts": dict(prompts), "default_prompt": default}

@@ -1,10 +1,12 @@
 """CPU kernels of the encoder block (BERT family): LayerNorm with bias over a residual sum,
-the exact (erf) GELU, and bidirectional attention over a packed batch of texts.
+the exact (erf) GELU, and attention over a packed batch of texts: bidirectional (BERT), or
+causal with grouped-query heads (a decoder used as an embedding model: Qwen3-Embedding).
 
 A batch of texts runs packed, without padding: the tokens of every text follow each other in
 one [1, n, hidden] tensor and `starts` [texts + 1] (int32) says where each text begins, so a
 token attends to every token of its own text and to no other (the padding mask, without the
-padding). The attention of one (text, head) pair is one work item: its keys are copied
+padding); with `causal` a token attends only to itself and the tokens before it in its text.
+The attention of one (text, head) pair is one work item: its keys are copied
 transposed (and rotated, for rotary models) into a scratch of `max_len` columns, queries are
 taken four at a time, the scores vectorized along the keys, the softmax along them with
 `common.exp2`, and the values summed along the head dimension. Everything accumulates in
@@ -192,13 +194,21 @@ def layer_norm(n: int, eps: float, dtype: str, residual: bool = False,
 
 @functools.cache
 def packed_attention(heads: int, head_dim: int, max_len: int, dtype: str,
-                     rotary: bool = False) -> tirx.PrimFunc:
-    """Bidirectional attention of a packed batch: qkv [1, n, 3 * heads * head_dim] ([q | k | v],
+                     rotary: bool = False, kv_heads: int = 0,
+                     causal: bool = False) -> tirx.PrimFunc:
+    """Attention of a packed batch: qkv [1, n, (heads + 2 * kv_heads) * head_dim] ([q | k | v],
     head-major within each), starts [texts + 1] int32 (text t is tokens starts[t] to
     starts[t + 1], at most `max_len` of them) -> out [1, n, heads * head_dim], scale
     head_dim^-0.5. With `rotary`, two more arguments cos, sin [max_len, head_dim / 2] (float32)
-    rotate q and k (rotate-half layout) by each token's position in its text."""
+    rotate q and k (rotate-half layout) by each token's position in its text. `kv_heads` (0:
+    `heads`) key/value heads are shared by groups of heads / kv_heads query heads; `causal`
+    lets a token see only the tokens up to itself in its text (bidirectional otherwise)."""
+    kv = kv_heads or heads
+    if heads % kv:
+        raise ValueError(f"{heads} query heads do not group into {kv} key/value heads")
     d, hd = head_dim, heads * head_dim
+    group = heads // kv
+    width = (heads + 2 * kv) * d
     half = d // 2
     cols = -(-max_len // LANES) * LANES  # key columns of the scratch, whole vectors
     scale = float(d) ** -0.5 * LOG2E  # scores in base 2: softmax by exp2
@@ -214,6 +224,15 @@ def packed_attention(heads: int, head_dim: int, max_len: int, dtype: str,
                                  T.Cast(F32, qkv[0, t, col + T.max(j - half, 0)]))
         return x * cos[p, k] + partner * sin[p, k]
 
+    def keys(qt, ln):
+        """How many keys the query tile qt of a text of ln tokens looks at (causal: up to its
+        last row, so the masked half of the scores is never computed)."""
+        return T.min(ln, (qt + 1) * Q_TILE) if causal else ln
+
+    def visible(qt, r, j, ln):
+        """Whether row r of query tile qt sees key j (rows past the text repeat its last)."""
+        return j <= T.min(qt * Q_TILE + r, ln - 1) if causal else j < ln
+
     @T.macro
     def item(qkv, starts, cos, sin, out, w):
         kt = T.alloc_buffer((d, cols), F32)  # keys, transposed
@@ -228,16 +247,18 @@ def packed_attention(heads: int, head_dim: int, max_len: int, dtype: str,
         s0 = T.Cast("int64", starts[seg])
         ln = T.Cast("int64", starts[seg + 1]) - s0
         for j, c in T.grid(ln, d):
-            kt[c, j] = rot(qkv, cos, sin, s0 + j, hd + h * d, c, j)
-            vb[j, c] = T.Cast(F32, qkv[0, s0 + j, 2 * hd + h * d + c])
-        for c, j in T.grid(d, cols - ln):
+            kt[c, j] = rot(qkv, cos, sin, s0 + j, hd + (h // group) * d, c, j)
+            vb[j, c] = T.Cast(F32, qkv[0, s0 + j, hd + kv * d + (h // group) * d + c])
+        # only the last key vector's tail: the scores never read past it, and a long context
+        # (Qwen3-Embedding's 32k) would make zeroing every column cost more than short texts
+        for c, j in T.grid(d, (ln + LANES - 1) // LANES * LANES - ln):
             kt[c, ln + j] = T.float32(0)
         for qt in range((ln + Q_TILE - 1) // Q_TILE):
             for r, c in T.grid(Q_TILE, d):
                 # rows past the text repeat its last query (computed, never written)
                 qv[r, c] = rot(qkv, cos, sin, s0 + T.min(qt * Q_TILE + r, ln - 1), h * d, c,
                                T.min(qt * Q_TILE + r, ln - 1)) * T.float32(scale)
-            for kb in range((ln + LANES - 1) // LANES):
+            for kb in range((keys(qt, ln) + LANES - 1) // LANES):
                 for r in T.unroll(Q_TILE):
                     for e in T.vectorized(LANES):
                         acc[r, e] = T.float32(0)
@@ -247,15 +268,15 @@ def packed_attention(heads: int, head_dim: int, max_len: int, dtype: str,
                             acc[r, e] = acc[r, e] + qv[r, c] * kt[c, kb * LANES + e]
                 for r in T.unroll(Q_TILE):
                     for e in T.vectorized(LANES):
-                        sc[r, kb * LANES + e] = T.Select(kb * LANES + e < ln, acc[r, e],
-                                                         T.float32(-3.0e38))
+                        sc[r, kb * LANES + e] = T.Select(visible(qt, r, kb * LANES + e, ln),
+                                                         acc[r, e], T.float32(-3.0e38))
             for r in range(Q_TILE):
                 st[r, 0] = T.float32(-3.0e38)
-                for j in range(ln):
+                for j in range(keys(qt, ln)):
                     st[r, 0] = T.max(st[r, 0], sc[r, j])
                 for e in T.vectorized(LANES):
                     acc[r, e] = T.float32(0)
-                for kb in range((ln + LANES - 1) // LANES):
+                for kb in range((keys(qt, ln) + LANES - 1) // LANES):
                     for e in T.vectorized(LANES):
                         sc[r, kb * LANES + e] = exp2(sc[r, kb * LANES + e] - st[r, 0])
                         acc[r, e] = acc[r, e] + sc[r, kb * LANES + e]
@@ -264,7 +285,7 @@ def packed_attention(heads: int, head_dim: int, max_len: int, dtype: str,
                     st[r, 1] = st[r, 1] + acc[r, e]
                 for c in range(d):
                     oacc[r, c] = T.float32(0)
-            for j in range(ln):
+            for j in range(keys(qt, ln)):
                 for r in T.unroll(Q_TILE):
                     for cv in range(dv):
                         for e in T.vectorized(LANES):
@@ -286,7 +307,7 @@ def packed_attention(heads: int, head_dim: int, max_len: int, dtype: str,
                  sin: T.Buffer((max_len, half), F32), var_out: T.handle):
             T.func_attr({"op_pattern": OPAQUE})
             n, b1 = T.int64(), T.int64()
-            qkv = T.match_buffer(var_qkv, (1, n, 3 * hd), dtype)
+            qkv = T.match_buffer(var_qkv, (1, n, width), dtype)
             starts = T.match_buffer(var_starts, (b1,), "int32")
             out = T.match_buffer(var_out, (1, n, hd), dtype)
             for w in T.parallel((b1 - 1) * heads):
@@ -298,11 +319,10 @@ def packed_attention(heads: int, head_dim: int, max_len: int, dtype: str,
         def func(var_qkv: T.handle, var_starts: T.handle, var_out: T.handle):
             T.func_attr({"op_pattern": OPAQUE})
             n, b1 = T.int64(), T.int64()
-            qkv = T.match_buffer(var_qkv, (1, n, 3 * hd), dtype)
+            qkv = T.match_buffer(var_qkv, (1, n, width), dtype)
             starts = T.match_buffer(var_starts, (b1,), "int32")
             out = T.match_buffer(var_out, (1, n, hd), dtype)
             for w in T.parallel((b1 - 1) * heads):
                 item(qkv, starts, None, None, out, w)
 
     return scheduled(func)
-

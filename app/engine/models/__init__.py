@@ -111,13 +111,16 @@ class Entry:
     """One architecture of the registry: its name (stored in converted models), the module of
     this package that defines it (with a function `architecture(name) -> Architecture`), the
     HF `architectures` / `model_type` values that select it, and the GGUF `general.architecture`
-    values it reads (its `Architecture.gguf` says how)."""
+    values it reads (its `Architecture.gguf` says how). `embedding_of` names the chat
+    architecture whose sentence-transformers checkpoints are this embedding architecture (the
+    same config.json: only the repo's modules.json tells them apart)."""
 
     name: str
     module: str
     hf_architectures: tuple[str, ...]
     model_types: tuple[str, ...]
     gguf_architectures: tuple[str, ...] = ()
+    embedding_of: str = ""
 
     def load(self) -> Architecture:
         # imported on use: the model modules import TVM, the registry's users often do not need it
@@ -148,6 +151,8 @@ REGISTRY: tuple[Entry, ...] = (
     Entry("bert", "bert", ("BertModel", "BertForMaskedLM", "BertForPreTraining"), ("bert",)),
     Entry("nomic_bert", "bert", ("NomicBertModel", "NomicBertForMaskedLM",
                                  "NomicBertForPreTraining"), ("nomic_bert",)),
+    # a Qwen3 with sentence-transformers files (Qwen3-Embedding), or a bare Qwen3Model
+    Entry("qwen3_embedding", "qwen3_embedding", ("Qwen3Model",), (), embedding_of="qwen3"),
 )
 
 
@@ -159,18 +164,21 @@ def get_architecture(name: str) -> Architecture:
     raise UnsupportedModelError(f"unknown architecture {name!r}")
 
 
-def detect_architecture(hf_config: dict[str, Any]) -> Architecture:
-    """The architecture of an HF config.json, or UnsupportedModelError naming what it is."""
+def detect_architecture(hf_config: dict[str, Any],
+                        sentence_transformers: bool = False) -> Architecture:
+    """The architecture of an HF config.json, or UnsupportedModelError naming what it is; with
+    `sentence_transformers` (the folder is a sentence-transformers model: it pools), the
+    embedding architecture of a chat one where the registry has it (`Entry.embedding_of`)."""
     names = hf_config.get("architectures") or []
-    for hf_name in names:
-        for entry in REGISTRY:
-            if hf_name in entry.hf_architectures:
-                return entry.load()
     model_type = hf_config.get("model_type")
-    if not names:
-        for entry in REGISTRY:
-            if model_type in entry.model_types:
-                return entry.load()
+    found = next((entry for hf_name in names for entry in REGISTRY
+                  if hf_name in entry.hf_architectures), None)
+    if found is None and not names:
+        found = next((entry for entry in REGISTRY if model_type in entry.model_types), None)
+    if found is not None:
+        if sentence_transformers:
+            found = next((e for e in REGISTRY if e.embedding_of == found.name), found)
+        return found.load()
     what = ", ".join(names) if names else f"model_type {model_type!r}"
     known = ", ".join(sorted(n for entry in REGISTRY for n in entry.hf_architectures))
     raise UnsupportedModelError(f"unsupported architecture {what} (supported: {known})")

@@ -257,12 +257,16 @@ class Encoder(nn.Module):
 
 
 def rope_tables(cfg: EncoderConfig) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin [positions, head_dim / 2] of the rotary angles, as transformers computes
-    them (float32 inverse frequencies times the position)."""
-    d = cfg.head_dim
-    inv = (1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d)))
-    angles = np.arange(cfg.context_window_size, dtype=np.float32)[:, None] * \
-        inv.astype(np.float32)[None, :]
+    """cos and sin [positions, head_dim / 2] of the encoder's rotary angles."""
+    return rope_angles(cfg.head_dim, cfg.rope_theta, cfg.context_window_size)
+
+
+def rope_angles(head_dim: int, theta: float, positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin [positions, head_dim / 2] of rotary angles, as transformers computes them
+    (float32 inverse frequencies times the position); the table of every packed encoder."""
+    d = head_dim
+    inv = (1.0 / (theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d)))
+    angles = np.arange(positions, dtype=np.float32)[:, None] * inv.astype(np.float32)[None, :]
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
