@@ -10,7 +10,8 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from localchat.cli.common import log, report_end, write_reply
+from localchat.cli.common import log, report_end
+from localchat.cli.thinking import write_reply
 from localchat.errors import LocalchatError
 
 CHAT_HELP = """commands:

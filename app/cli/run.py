@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from localchat.cli.common import report_end, write_reply
+from localchat.cli.common import report_end
+from localchat.cli.thinking import write_reply
 from localchat.engine import add_threads_argument
 from localchat.errors import InvalidRequestError, LocalchatError
 
@@ -29,6 +30,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("message", nargs="?", help="the message (default: stdin, or a chat)")
     p.add_argument("--raw", action="store_true", help="complete the text as is, no template")
     p.add_argument("--system", help="system prompt")
+    think = p.add_mutually_exclusive_group()
+    think.add_argument("--think", dest="think", action="store_const", const=True, default=None,
+                       help="a reasoning model (Qwen3, DeepSeek-R1) thinks before answering; "
+                       "its thinking is shown dimmed (default: the model's template decides)")
+    think.add_argument("--no-think", dest="think", action="store_const", const=False,
+                       help="ask a reasoning model not to think (its template's "
+                       "enable_thinking=false)")
     p.add_argument("--template", help="built-in template name or .jinja file")
     p.add_argument("--temperature", type=float, default=None,
                    help="0 = greedy; the defaults of every option: the model's "
@@ -182,6 +190,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
     if args.raw and (args.system is not None or args.template is not None):
         raise LocalchatError("--raw sends the text as it is; it takes no --system or --template")
+    think = getattr(args, "think", None)
+    if args.raw and think is not None:
+        raise LocalchatError("--raw sends the text as it is; --think and --no-think need the "
+                             "chat template")
     if message is not None and not args.raw:
         message = message.strip()
         if not message:
@@ -195,13 +207,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         if interactive:
             from localchat.cli.chat import chat_loop
 
-            return chat_loop(engine, engine.conversation(system=args.system), stats=args.stats)
+            return chat_loop(engine, engine.conversation(system=args.system, think=think),
+                             stats=args.stats)
         try:
             if args.raw:
                 stream = engine.complete(message)
             else:
-                stream = engine.conversation(system=args.system).send(message)
+                stream = engine.conversation(system=args.system, think=think).send(message)
         except InvalidRequestError as exc:
+            if exc.param == "think":
+                raise LocalchatError(f"--think: {exc}") from None
             if exc.param != "response_format":
                 raise
             detail = str(exc).split(": ", 1)[-1]
@@ -210,6 +225,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.json:
             out = {
                 "text": reply.text,
+                "reasoning": reply.reasoning,
                 "token_ids": reply.token_ids,
                 "prompt_tokens": reply.stats.prompt_tokens,
                 "finish_reason": reply.finish_reason,

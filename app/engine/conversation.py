@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from localchat.engine.generation_config import GenerationConfig
 from localchat.engine.prompt import OverflowPolicy, check_policy
+from localchat.engine.reasoning import check_think
 from localchat.engine.runtime import Sequence
 from localchat.engine.scheduler import EndedReply
 from localchat.engine.stream import Reply, ReplyStream
@@ -34,8 +35,11 @@ class Conversation:
         system: str | None = None,
         config: GenerationConfig | None = None,
         overflow: OverflowPolicy | None = None,
+        think: bool | None = None,
     ) -> None:
         self.engine = engine
+        # A reasoning model's thinking switch for every turn (None: the template's default).
+        self.think = check_think(think)
         self.id = uuid.uuid4().hex[:12]
         self.config = (config or engine.config).validate(engine.vocab_size)
         self.overflow: OverflowPolicy = overflow or engine.overflow
@@ -93,11 +97,18 @@ class Conversation:
             return len(self._seq) if self._seq is not None else 0
 
     def send(
-        self, content: str, config: GenerationConfig | None = None, **overrides: Any
+        self,
+        content: str,
+        config: GenerationConfig | None = None,
+        *,
+        think: bool | None = None,
+        **overrides: Any,
     ) -> ReplyStream:
-        """Add a user message and start the reply; parameters override the conversation's."""
+        """Add a user message and start the reply; parameters override the conversation's
+        (`think`: this turn's thinking switch, else the conversation's)."""
         if not isinstance(content, str):
             raise InvalidRequestError("the message must be a string", "content")
+        think = self.engine.thinking_switch(self.think if think is None else think)
         cfg = self.engine.resolve_config(config or self.config, overrides)
         with self._lock:
             self._check_idle()
@@ -113,6 +124,7 @@ class Conversation:
                 overflow=self.overflow,
                 held_tokens=held_tokens,
                 held_text=held_text,
+                think=think,
             )
             request = self.engine.make_request(plan, cfg, seq=seq, owner=self)
             request.held_text_before = held_text
@@ -203,7 +215,13 @@ class Conversation:
         if reply.finish_reason == "cancelled" and not reply.token_ids:
             self._messages.pop()  # a reply that never started leaves no turn behind
         else:
-            self._messages.append({"role": "assistant", "content": reply.text})
+            # The answer is the content; the thinking goes in `reasoning_content`, the key
+            # Qwen3's template reads (it renders it only for the turns after the last user
+            # message, so earlier turns' thinking is not fed back); others ignore the key.
+            message: dict[str, Any] = {"role": "assistant", "content": reply.text}
+            if reply.reasoning:
+                message["reasoning_content"] = reply.reasoning
+            self._messages.append(message)
         self.last_reply = reply
         self.replies.append(reply)
         if self._closed:

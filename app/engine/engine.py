@@ -29,6 +29,13 @@ from localchat.engine.prompt import (
     PromptPlanner,
     check_policy,
 )
+from localchat.engine.reasoning import (
+    ReasoningSplitter,
+    ThinkTags,
+    check_think,
+    model_thinks,
+    prompt_opens_thinking,
+)
 from localchat.engine.runtime import Model
 from localchat.engine.runtime import Sequence as ModelSequence
 from localchat.engine.scheduler import Request, Scheduler, SequenceOwner
@@ -103,6 +110,9 @@ class Engine:
         stops = self.template.stops(self.tokenizer, model_dir)
         self.stop_token_ids = frozenset([*stops.token_ids, *self.model.eos_token_ids])
         self.stop_strings = stops.strings
+        # A reasoning model's replies are split into thinking and answer (reasoning.py).
+        self.thinks = model_thinks(self.template, self.tokenizer)
+        self.think_tags = ThinkTags.of(self.tokenizer)
         limit = min(self.model.context_window_size, self.model.max_total_tokens)
         self.context_window = _check_window(context_window, limit) or limit
         check_policy(overflow)
@@ -234,9 +244,11 @@ class Engine:
         *,
         config: GenerationConfig | None = None,
         overflow: OverflowPolicy | None = None,
+        think: bool | None = None,
     ) -> Conversation:
-        """A new conversation (optionally with a system prompt) that keeps its state."""
-        return Conversation(self, system=system, config=config, overflow=overflow)
+        """A new conversation (optionally with a system prompt) that keeps its state;
+        `think` switches a reasoning model's thinking (None: its template's default)."""
+        return Conversation(self, system=system, config=config, overflow=overflow, think=think)
 
     def chat(
         self,
@@ -245,12 +257,14 @@ class Engine:
         *,
         overflow: OverflowPolicy | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        think: bool | None = None,
         **overrides: Any,
     ) -> ReplyStream:
         """A reply to `messages` on a fresh sequence, freed when it ends (e.g. for a server).
 
         `tools` (OpenAI function definitions) are rendered by a template that supports them;
-        constrain the reply to a call with a "structural_tag" response format.
+        constrain the reply to a call with a "structural_tag" response format. `think` is the
+        template's `enable_thinking` (None: its default).
         """
         cfg = self.resolve_config(config, overrides)
         if not messages:
@@ -260,7 +274,8 @@ class Engine:
                 f"the model's chat template ({self.template.name}) does not support tools", "tools"
             )
         plan = self.planner.plan(
-            messages, cfg.max_tokens, overflow=overflow or self.overflow, tools=tools
+            messages, cfg.max_tokens, overflow=overflow or self.overflow, tools=tools,
+            think=self.thinking_switch(think),
         )
         return self.scheduler.submit(self.make_request(plan, cfg))
 
@@ -278,6 +293,7 @@ class Engine:
         plan = PromptPlan([], prompt, ids, 0, False)
         request = self.make_request(plan, cfg, stop_token_ids=frozenset(self.model.eos_token_ids))
         request.stop_strings = cfg.stop
+        request.splitter = None  # raw text: a `<think>` in it is the caller's to read
         return self.scheduler.submit(request)
 
     @property
@@ -294,10 +310,13 @@ class Engine:
             f"(e.g. all-minilm-l6-v2) for vectors", "model")
 
     def count_tokens(
-        self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None = None
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        think: bool | None = None,
     ) -> int:
         """Tokens of the prompt for `messages` (with the generation prompt) from scratch."""
-        return self.planner.count(messages, tools=tools)
+        return self.planner.count(messages, tools=tools, think=think)
 
     def close(self) -> None:
         """Cancel running replies, stop the scheduler thread and free all sequences."""
@@ -347,7 +366,25 @@ class Engine:
             reused_tokens=plan.reused,
             dropped_messages=plan.dropped,
             constraint=self.constraint_for(config, stops),
+            splitter=self.splitter_for(plan.text),
         )
+
+    def thinking_switch(self, think: Any) -> bool | None:
+        """A request's thinking switch, checked: None or a bool, and True only for a model that
+        thinks (InvalidRequestError otherwise, as Ollama answers)."""
+        think = check_think(think)
+        if think and not self.thinks:
+            raise InvalidRequestError(
+                f"{self.name} does not think before answering (its chat template writes no "
+                f"<think> block): leave thinking unset or off", "think")
+        return think
+
+    def splitter_for(self, prompt: str) -> ReasoningSplitter | None:
+        """The thinking/answer splitter of a reply to `prompt` (None: the model does not
+        think); the reply starts inside the thinking when the prompt opened the block."""
+        if not self.thinks:
+            return None
+        return ReasoningSplitter(self.think_tags, opened=prompt_opens_thinking(prompt))
 
 
 def _check_window(context_window: int | None, limit: int) -> int | None:

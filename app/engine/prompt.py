@@ -123,11 +123,22 @@ class PromptPlanner:
             ids = [self._bos, *ids]
         return ids
 
-    def count(self, messages: Sequence[Message], tools: Sequence[Message] | None = None) -> int:
+    def count(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Message] | None = None,
+        think: bool | None = None,
+    ) -> int:
         """Tokens of the prompt for `messages` (with the generation prompt) from scratch."""
-        return len(
-            self.encode(self.template.render(messages, add_generation_prompt=True, tools=tools))
-        )
+        return len(self.encode(self.render(messages, tools, think)))
+
+    def render(
+        self, messages: Sequence[Message], tools: Sequence[Message] | None, think: bool | None
+    ) -> str:
+        """The prompt text for `messages` with the generation prompt; `think` is passed as
+        `enable_thinking` only when set (templates without thinking take no such argument)."""
+        extra = {"enable_thinking": think} if think is not None else {}
+        return self.template.render(messages, add_generation_prompt=True, tools=tools, **extra)
 
     def reserve(self, max_tokens: int | None) -> int:
         """Tokens kept free for the reply: the reserve, or max_tokens when smaller."""
@@ -178,12 +189,14 @@ class PromptPlanner:
         held_tokens: Sequence[int] = (),
         held_text: str | None = None,
         tools: Sequence[Message] | None = None,
+        think: bool | None = None,
     ) -> PromptPlan:
         """Decide what to prefill for `messages` on a sequence holding `held_tokens` (whose text
-        is `held_text`), and apply the overflow policy; `tools` go to the template."""
+        is `held_text`), and apply the overflow policy; `tools` and `think` (the template's
+        `enable_thinking`) go to the template."""
         check_policy(overflow)
         messages = [dict(m) for m in messages]
-        text = self.template.render(messages, add_generation_prompt=True, tools=tools)
+        text = self.render(messages, tools, think)
         new_ids, reused, reset, rollback = self.continuation(text, held_tokens, held_text)
         reserve = self.reserve(max_tokens)
         window = self.context_window
@@ -195,7 +208,7 @@ class PromptPlanner:
                     break
                 dropped += len(messages) - len(shorter)
                 messages = shorter
-                text = self.template.render(messages, add_generation_prompt=True, tools=tools)
+                text = self.render(messages, tools, think)
                 new_ids, reused, reset, rollback = self.continuation(text, held_tokens, None)
             need = reused + len(new_ids)
             if need >= window:

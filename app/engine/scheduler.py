@@ -34,6 +34,7 @@ from localchat.engine.detokenizer import TextStream
 from localchat.engine.generation_config import GenerationConfig
 from localchat.engine.prefix_cache import MIN_MATCH_TOKENS, PrefixCache, enabled_from_env
 from localchat.engine.prompt import fed_reply_text
+from localchat.engine.reasoning import ReasoningSplitter
 from localchat.engine.runtime import Model, Sequence
 from localchat.engine.sampler import Sampler, sample_batch
 from localchat.engine.stream import FinishEvent, Reply, ReplyStats, ReplyStream, TokenEvent
@@ -96,6 +97,7 @@ class Request:
     reused_tokens: int = 0
     dropped_messages: int = 0
     constraint: Any = None  # a grammar.TokenConstraint when the reply has a response format
+    splitter: ReasoningSplitter | None = None  # keeps a reasoning model's thinking apart
     id: int = field(default_factory=lambda: next(_request_ids))
     stream: ReplyStream = field(init=False)
     # Filled in as it runs.
@@ -106,6 +108,7 @@ class Request:
     text_stream: TextStream | None = None
     generated: list[int] = field(default_factory=list)
     pieces: list[str] = field(default_factory=list)  # text released so far
+    thoughts: list[str] = field(default_factory=list)  # thinking text released so far
     next_token: int | None = None  # sampled, to be fed by the next decode step
     finish_reason: str | None = None
     message: str | None = None
@@ -535,10 +538,9 @@ class Scheduler:
         request.generated.append(token)
         request.last_token_at = time.perf_counter()
         piece = request.text_stream.add(token)
-        if piece.text:
-            request.pieces.append(piece.text)
+        thinking, answer = _split(request, piece.text, token)
         logprob, top = logprobs if logprobs is not None else (None, None)
-        request.stream.put(TokenEvent(request.id, token, piece.text, logprob, top))
+        request.stream.put(TokenEvent(request.id, token, answer, logprob, top, thinking))
         limit = request.config.max_tokens
         if piece.stopped:
             self._finish(request, "stop")
@@ -560,20 +562,20 @@ class Scheduler:
         request.finish_reason = reason
         request.next_token = None
         tail = request.text_stream.finish() if request.text_stream is not None else ""
-        if tail:
-            request.pieces.append(tail)
+        thinking, tail = _split(request, tail, None, final=True)
         reply = Reply(
             text="".join(request.pieces),
             token_ids=list(request.generated),
             finish_reason=reason,
             stats=self._stats(request, reason),
             message=request.message,
+            reasoning="".join(request.thoughts),
         )
         self._detach(request)
         if request.owner is not None:
             request.owner.reply_ended(EndedReply(reply, request.seq, self._held_text(request)))
         request.stream.finish(reply)
-        request.stream.put(FinishEvent(request.id, tail, reply))
+        request.stream.put(FinishEvent(request.id, tail, reply, thinking))
 
     def _fail(self, request: Request, error: BaseException) -> None:
         """End a request with an error (under the lock); its sequence's state is dropped."""
@@ -631,6 +633,26 @@ class Scheduler:
             context_tokens=len(seq) if seq is not None else 0,
             dropped_messages=request.dropped_messages,
         )
+
+
+def _split(
+    request: Request, text: str, token: int | None, final: bool = False
+) -> tuple[str, str]:
+    """(thinking, answer) of released text, recorded on the request; all answer for a model
+    that does not think."""
+    splitter = request.splitter
+    if splitter is None:
+        thinking, answer = "", text
+    else:
+        thinking, answer = splitter.push(text, token) if text or token is not None else ("", "")
+        if final:
+            more_thinking, more_answer = splitter.finish()
+            thinking, answer = thinking + more_thinking, answer + more_answer
+    if thinking:
+        request.thoughts.append(thinking)
+    if answer:
+        request.pieces.append(answer)
+    return thinking, answer
 
 
 def _logprobs(

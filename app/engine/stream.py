@@ -64,7 +64,8 @@ class Reply:
     """A finished reply: its text (stop strings cut), generated ids, why it ended, and stats.
 
     `token_ids` excludes a stop token that ended the reply; `message` says why a reply ended
-    early when the finish reason alone does not (e.g. the context window is full).
+    early when the finish reason alone does not (e.g. the context window is full). A reasoning
+    model's thinking (its `<think>` block) is in `reasoning`, apart from `text`, the answer.
     """
 
     text: str
@@ -72,11 +73,15 @@ class Reply:
     finish_reason: str
     stats: ReplyStats = field(default_factory=ReplyStats)
     message: str | None = None
+    reasoning: str = ""
 
 
 @dataclass(frozen=True)
 class TokenEvent:
     """One generated token and the text it releases ("" while text is held back).
+
+    `text` is answer; `reasoning` is the thinking text the token releases (a reasoning model's
+    `<think>` block, tags left out). One token may release some of each.
 
     With `GenerationConfig.logprobs` set, `logprob` is the token's log-probability under the
     model (the raw logits' log-softmax) and `top_logprobs` the most likely (token id,
@@ -88,6 +93,7 @@ class TokenEvent:
     text: str
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] | None = None
+    reasoning: str = ""
 
 
 @dataclass(frozen=True)
@@ -97,6 +103,7 @@ class FinishEvent:
     request_id: int
     text: str
     reply: Reply
+    reasoning: str = ""  # the last held-back thinking text
 
     @property
     def finish_reason(self) -> str:
@@ -130,6 +137,7 @@ class ReplyStream:
         self._exhausted = False
         self._cancelled = False
         self._pieces: list[str] = []
+        self._thoughts: list[str] = []
         self.reply: Reply | None = None  # set when the reply is finished
         self.error: BaseException | None = None
 
@@ -173,6 +181,8 @@ class ReplyStream:
             raise item
         if item.text:
             self._pieces.append(item.text)
+        if item.reasoning:
+            self._thoughts.append(item.reasoning)
         if isinstance(item, FinishEvent):
             self._exhausted = True
         return item
@@ -210,8 +220,13 @@ class ReplyStream:
 
     @property
     def text(self) -> str:
-        """The text consumed from the stream so far."""
+        """The answer text consumed from the stream so far."""
         return "".join(self._pieces)
+
+    @property
+    def reasoning(self) -> str:
+        """The thinking text consumed from the stream so far."""
+        return "".join(self._thoughts)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the reply has finished, without consuming events; False on timeout."""

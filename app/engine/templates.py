@@ -77,9 +77,21 @@ class ConversationTemplate(ABC):
         messages: Sequence[Message],
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        enable_thinking: bool | None = None,
     ) -> str:
         """The prompt text for `messages`, ending with the assistant's header when asked;
-        `tools` (OpenAI function definitions) only for a template that `supports_tools`."""
+        `tools` (OpenAI function definitions) only for a template that `supports_tools`;
+        `enable_thinking` reaches a template that reads it (None: the template's default)."""
+
+    @property
+    def thinks(self) -> bool:
+        """Whether the template writes `<think>` blocks (a reasoning model's template)."""
+        return False
+
+    @property
+    def reads_enable_thinking(self) -> bool:
+        """Whether the template has a thinking switch (`enable_thinking`)."""
+        return False
 
     @property
     def supports_tools(self) -> bool:
@@ -177,8 +189,10 @@ class BuiltinTemplate(ConversationTemplate):
         messages: Sequence[Message],
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        enable_thinking: bool | None = None,
     ) -> str:
-        """The prompt text for `messages`, ending with the assistant's header when asked."""
+        """The prompt text for `messages`, ending with the assistant's header when asked
+        (no built-in template thinks: `enable_thinking` changes nothing)."""
         if tools:
             raise GenerationError(f"template {self.name} does not render tools")
         return self.renderer(self, _normalize(messages), add_generation_prompt)
@@ -467,13 +481,25 @@ class JinjaTemplate(ConversationTemplate):
         """"tag" when the template writes calls in <tool_call> tags, else "json"."""
         return "tag" if "<tool_call>" in self.source else "json"
 
+    @property
+    def thinks(self) -> bool:
+        """Whether the template writes `<think>` blocks (Qwen3, the DeepSeek-R1 distills)."""
+        return "</think>" in self.source
+
+    @property
+    def reads_enable_thinking(self) -> bool:
+        """Whether the template reads the `enable_thinking` switch (Qwen3)."""
+        return "enable_thinking" in self.source
+
     def render(
         self,
         messages: Sequence[Message],
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        enable_thinking: bool | None = None,
     ) -> str:
-        """The prompt text for `messages`, ending with the assistant's header when asked."""
+        """The prompt text for `messages`, ending with the assistant's header when asked;
+        `enable_thinking` is passed as the variable of that name unless None."""
         from jinja2 import TemplateError
 
         plain = []
@@ -490,6 +516,7 @@ class JinjaTemplate(ConversationTemplate):
             **({"tools": [dict(t) for t in tools]} if tools else {}),
             "messages": plain,
             "add_generation_prompt": add_generation_prompt,
+            **({"enable_thinking": enable_thinking} if enable_thinking is not None else {}),
         }
         try:
             return self._template.render(**context)

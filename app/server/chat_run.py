@@ -49,6 +49,14 @@ class Params:
     max_tokens: str  # the reply's token limit ("max_output_tokens", "max_tokens")
     response_format: str = "response_format"  # the constrained-output parameter
     tools: str = "tools"
+    think: str = "think"  # the thinking switch ("reasoning", "thinking")
+
+
+@dataclass(frozen=True)
+class Thought:
+    """A piece of a reasoning model's thinking, streamed before the answer it leads to."""
+
+    text: str
 
 
 @dataclass
@@ -60,6 +68,11 @@ class Finished:
     calls: list[ToolCall]
     event: FinishEvent
     reason: str
+
+    @property
+    def reasoning(self) -> str:
+        """The thinking of a reasoning model ("" when there was none)."""
+        return self.event.reply.reasoning
 
     @property
     def input_tokens(self) -> int:
@@ -79,7 +92,7 @@ class Finished:
 async def start_chat(state: ServerState, model: str, messages: list[dict[str, Any]],
                      tools: list[Tool], mode: str, callable_tools: list[Tool],
                      overrides: dict[str, Any], params: Params,
-                     overflow: str | None = None) -> ChatRun:
+                     overflow: str | None = None, think: bool | None = None) -> ChatRun:
     """Acquire `model` and start one reply to `messages` as chat completions does; the
     caller releases the model (`state.pool.release(run.loaded)`) once the reply is done."""
     started = time.perf_counter()
@@ -98,13 +111,13 @@ async def start_chat(state: ServerState, model: str, messages: list[dict[str, An
             plan = ToolPlan(template.tool_call_style, callable_tools)
             overrides["response_format"] = call_format(plan.style, mode, callable_tools)
         defs = [t.definition for t in tools] or None
-        prompt_tokens = engine.count_tokens(messages, tools=defs)
+        prompt_tokens = engine.count_tokens(messages, tools=defs, think=think)
         max_tokens = overrides.get("max_tokens")
         if max_tokens is not None and overflow is None:
             check_window(engine, prompt_tokens, max_tokens, params.max_tokens, params.input)
         extra = {"overflow": overflow} if overflow else {}
         try:
-            stream = engine.chat(messages, tools=defs, **extra, **overrides)
+            stream = engine.chat(messages, tools=defs, think=think, **extra, **overrides)
         except ContextWindowError as exc:
             window = exc.context_window or engine.context_window
             raise ContextWindowError(
@@ -114,6 +127,9 @@ async def start_chat(state: ServerState, model: str, messages: list[dict[str, An
                 prompt_tokens=exc.prompt_tokens, context_window=window,
                 param=params.input) from None
         except InvalidRequestError as exc:
+            if exc.param == "think" and params.think != "think":
+                raise InvalidRequestError(str(exc).replace("thinking unset", f"{params.think} "
+                                          "unset"), params.think) from None
             if exc.param != "response_format" or params.response_format == "response_format":
                 raise
             raise InvalidRequestError(
@@ -135,14 +151,18 @@ class _Held:
     pieces: list[str] = field(default_factory=list)
 
 
-async def reply_parts(events: Events, plan: ToolPlan | None) -> AsyncIterator[str | Finished]:
-    """The reply's text as it becomes safe to send, then one `Finished`.
+async def reply_parts(events: Events,
+                      plan: ToolPlan | None) -> AsyncIterator[str | Thought | Finished]:
+    """The reply's text as it becomes safe to send (a reasoning model's thinking as `Thought`s
+    before it), then one `Finished`.
 
     With tool calls possible, text that could open a call is held back (as chat completions
     does), and so is leading white space, so that a reply that is only a call sends no text.
     """
     held = _Held()
     async for _, event in events:
+        if event.reasoning:
+            yield Thought(event.reasoning)
         held.text += event.text
         if isinstance(event, TokenEvent):
             safe = len(held.text) if plan is None else streamable(held.text, plan.style)

@@ -38,7 +38,7 @@ from localchat.server.tools import Tool, check_tools, chosen_tools, tool_message
 
 log = logging.getLogger("localchat.server")
 PARAMS = Params(input="messages", max_tokens="max_tokens",
-                response_format="output_config.format")
+                response_format="output_config.format", think="thinking")
 
 
 def anthropic_error(error: LocalchatError) -> JSONResponse:
@@ -155,6 +155,8 @@ def _message(i: int, message: Mapping[str, Any]) -> list[dict[str, Any]]:
             texts.append(block["text"])
         elif kind == "tool_use" and role == "assistant":
             calls.append(_tool_call(block, at))
+        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+            continue  # an earlier reply's thinking: not fed to the model again
         elif kind == "tool_result" and role == "user":
             if not isinstance(block.get("tool_use_id"), str):
                 raise InvalidRequestError(f"{at}.tool_use_id must be a string",
@@ -174,11 +176,21 @@ def _message(i: int, message: Mapping[str, Any]) -> list[dict[str, Any]]:
     return results + ([{"role": "user", "content": "\n".join(texts)}] if texts else [])
 
 
+def thinking_switch(body: CountRequest) -> bool | None:
+    """The thinking switch `thinking` asks for: {"type": "enabled", ...} on, "disabled" off (a
+    reasoning model thinks as long as it thinks: budget_tokens is not enforced)."""
+    if body.thinking is None:
+        return None
+    kind = body.thinking.get("type")
+    if kind not in ("enabled", "disabled"):
+        raise InvalidRequestError(f"thinking.type must be 'enabled' or 'disabled', got {kind!r}",
+                                  "thinking.type")
+    return kind == "enabled"
+
+
 def chat_messages(body: CountRequest) -> list[dict[str, Any]]:
     """The request's system prompt and messages as the engine's chat messages."""
-    if body.thinking is not None and body.thinking.get("type") not in (None, "disabled"):
-        raise InvalidRequestError("extended thinking is not supported: the local models here "
-                                  "do not think before answering", "thinking")
+    thinking_switch(body)  # checked before anything runs
     if body.mcp_servers:
         raise InvalidRequestError("MCP servers are not supported", "mcp_servers")
     out: list[dict[str, Any]] = []
@@ -288,7 +300,7 @@ async def create_message(request: Request) -> Response:
                                   'tool_choice to {"type": "none"} or leave out tools)',
                                   "output_config.format")
     run = await start_chat(state, body.model, messages, tools, mode, callable_tools,
-                           {**sampling(body), **fmt}, PARAMS)
+                           {**sampling(body), **fmt}, PARAMS, think=thinking_switch(body))
     release = True
     try:
         message_id = new_id("msg_")
@@ -332,6 +344,7 @@ async def count_tokens(request: Request) -> JSONResponse:
                 f"the model {loaded.ref} cannot call tools: its chat template "
                 f"({template.name}) does not render them", "tools" if tools else "messages")
         defs = [t.definition for t in tools] or None
-        return JSONResponse({"input_tokens": loaded.engine.count_tokens(messages, tools=defs)})
+        return JSONResponse({"input_tokens": loaded.engine.count_tokens(
+            messages, tools=defs, think=thinking_switch(body))})
     finally:
         await state.pool.release(loaded)

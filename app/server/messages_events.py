@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from localchat.errors import LocalchatError
-from localchat.server.chat_run import Finished
+from localchat.server.chat_run import Finished, Thought
 
 log = logging.getLogger("localchat.server")
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
@@ -45,8 +45,11 @@ def tool_use_blocks(finished: Finished) -> list[dict[str, Any]]:
 
 def message_body(message_id: str, model: str, finished: Finished,
                  stop_sequence: str | None) -> dict[str, Any]:
-    """The whole message of a finished reply."""
+    """The whole message of a finished reply (a reasoning model's thinking as a `thinking`
+    block first; its signature is empty: nothing here signs it)."""
     text = [{"type": "text", "text": finished.text}] if finished.text else []
+    if finished.reasoning:
+        text.insert(0, {"type": "thinking", "thinking": finished.reasoning, "signature": ""})
     return {"id": message_id, "type": "message", "role": "assistant", "model": model,
             "content": text + tool_use_blocks(finished),
             "stop_reason": stop_reason(finished, stop_sequence), "stop_sequence": stop_sequence,
@@ -58,7 +61,8 @@ def sse(kind: str, data: dict[str, Any]) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
 
 
-async def message_events(parts: AsyncIterator[str | Finished], message_id: str, model: str,
+async def message_events(parts: AsyncIterator[str | Thought | Finished], message_id: str,
+                         model: str,
                          prompt_tokens: int,
                          finish: Callable[[Finished], dict[str, Any]]) -> AsyncIterator[str]:
     """The events of a streamed message; `finish` makes the whole message from the finished
@@ -69,6 +73,7 @@ async def message_events(parts: AsyncIterator[str | Finished], message_id: str, 
     yield sse("message_start", {"message": start})
     blocks = 0  # content blocks started so far
     text_open = False
+    thinking_open = False
 
     def begin(block: dict[str, Any]) -> list[str]:
         nonlocal blocks
@@ -80,17 +85,28 @@ async def message_events(parts: AsyncIterator[str | Finished], message_id: str, 
 
     try:
         async for part in parts:
+            if isinstance(part, Thought):
+                if not thinking_open:
+                    for event in begin({"type": "thinking", "thinking": "", "signature": ""}):
+                        yield event
+                    thinking_open = True
+                yield sse("content_block_delta", {"index": blocks - 1, "delta": {
+                    "type": "thinking_delta", "thinking": part.text}})
+                continue
+            if thinking_open:  # the thinking is over once anything else comes
+                yield sse("content_block_stop", {"index": blocks - 1})
+                thinking_open = False
             if isinstance(part, str):
                 if not text_open:
                     for event in begin({"type": "text", "text": ""}):
                         yield event
                     text_open = True
-                yield sse("content_block_delta", {"index": 0, "delta": {
+                yield sse("content_block_delta", {"index": blocks - 1, "delta": {
                     "type": "text_delta", "text": part}})
                 continue
             message = finish(part)
             if text_open:
-                yield sse("content_block_stop", {"index": 0})
+                yield sse("content_block_stop", {"index": blocks - 1})
             for block in message["content"]:
                 if block["type"] != "tool_use":
                     continue

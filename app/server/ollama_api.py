@@ -304,9 +304,11 @@ async def _generate(request: Request, state: ServerState, body: p.OllamaBase,
             if calls is not None:
                 content, found = parse_calls(choice.text, calls.style, calls.tools)
                 if found:
-                    return JSONResponse({**_with_calls(shape(content), found), **done},
-                                        headers=headers)
-            return JSONResponse({**shape(choice.text), **done}, headers=headers)
+                    return JSONResponse(
+                        {**_with_calls(shape(content, choice.reasoning), found), **done},
+                        headers=headers)
+            return JSONResponse({**shape(choice.text, choice.reasoning), **done},
+                                headers=headers)
         async with cancel_on_disconnect(request, streams):
             first = await anext(events)
 
@@ -315,6 +317,8 @@ async def _generate(request: Request, state: ServerState, body: p.OllamaBase,
             text, sent = "", 0  # with tools: the reply so far, and how much of it was sent
             try:
                 async for _, event in events:
+                    if event.reasoning:  # thinking streams as it comes, before the answer
+                        yield json.dumps({**shape("", event.reasoning), "done": False}) + "\n"
                     if calls is not None:
                         text += event.text
                         found: list[Any] = []
@@ -375,13 +379,16 @@ async def chat(request: Request) -> Response:
             plans.append(ToolPlan(template.tool_call_style, tools))
             o = {**o, "response_format": call_format(template.tool_call_style, "auto", tools)}
         kept, cut = fit_messages(engine, messages, o.get("max_tokens"), defs,
-                                 truncate=truncate, model=body.model)
+                                 truncate=truncate, model=body.model, think=body.think)
         cuts.append(cut)
-        return engine.chat(kept, tools=defs, overflow="truncate" if truncate else None, **o)
+        return engine.chat(kept, tools=defs, overflow="truncate" if truncate else None,
+                           think=body.think, **o)
 
-    def shape(text: str) -> dict[str, Any]:
-        return {"model": body.model, "created_at": now_iso(),
-                "message": {"role": "assistant", "content": text}}
+    def shape(text: str, thinking: str = "") -> dict[str, Any]:
+        message = {"role": "assistant", "content": text}
+        if thinking:
+            message["thinking"] = thinking
+        return {"model": body.model, "created_at": now_iso(), "message": message}
 
     return await _generate(request, state, body, start if messages else None, shape,
                            lambda: plans[0] if plans else None, cuts)
@@ -410,6 +417,8 @@ def _chat_message(i: int, m: p.OllamaMessage) -> dict[str, Any]:
         message["tool_calls"] = calls
     if m.role == "tool" and m.tool_name:
         message["name"] = m.tool_name
+    if m.role == "assistant" and m.thinking:
+        message["reasoning_content"] = m.thinking  # the key Qwen3's template reads
     return message
 
 
@@ -433,10 +442,13 @@ async def generate(request: Request) -> Response:
 
             def start(engine: Any, o: dict[str, Any]) -> Any:
                 # one turn: nothing truncate could drop, so the window decides alone
-                return engine.chat(messages, **o)
+                return engine.chat(messages, think=body.think, **o)
 
-    def shape(text: str) -> dict[str, Any]:
-        return {"model": body.model, "created_at": now_iso(), "response": text}
+    def shape(text: str, thinking: str = "") -> dict[str, Any]:
+        out = {"model": body.model, "created_at": now_iso(), "response": text}
+        if thinking:
+            out["thinking"] = thinking
+        return out
 
     return await _generate(request, state, body, start, shape, turns=False)
 

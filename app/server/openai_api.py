@@ -84,8 +84,25 @@ def chat_messages(messages: Sequence[p.ChatMessage]) -> list[dict[str, Any]]:
             message["tool_calls"] = list(m.tool_calls)
         if role == "tool" and m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
+        if role == "assistant" and m.reasoning_content:
+            message["reasoning_content"] = m.reasoning_content  # for a template that reads it
         out.append(message)
     return tool_messages(out)
+
+
+def thinking_switch(body: p.ChatCompletionRequest) -> bool | None:
+    """The request's thinking switch: `think`, else vLLM's
+    `chat_template_kwargs.enable_thinking` (None: the template's default)."""
+    kwargs = body.chat_template_kwargs or {}
+    value = kwargs.get("enable_thinking")
+    if value is not None and not isinstance(value, bool):
+        raise InvalidRequestError(
+            f"chat_template_kwargs.enable_thinking must be true or false, got {value!r}",
+            "chat_template_kwargs")
+    if body.think is not None and value is not None and body.think != value:
+        raise InvalidRequestError("think and chat_template_kwargs.enable_thinking disagree",
+                                  "think")
+    return body.think if body.think is not None else value
 
 
 def uses_tools(messages: Sequence[dict[str, Any]]) -> bool:
@@ -186,7 +203,8 @@ def wants_truncation(body: p.SamplingParams) -> bool:
 
 def fit_messages(engine: Any, messages: Sequence[dict[str, Any]], max_tokens: int | None,
                  tools: Sequence[dict[str, Any]] | None, *, truncate: bool,
-                 model: str = "") -> tuple[list[dict[str, Any]], Truncation | None]:
+                 model: str = "", think: bool | None = None,
+                 ) -> tuple[list[dict[str, Any]], Truncation | None]:
     """The messages a reply is planned on, and what was dropped (None: nothing).
 
     Without `truncate` they are as given (the engine refuses a prompt that does not fit). With
@@ -199,10 +217,10 @@ def fit_messages(engine: Any, messages: Sequence[dict[str, Any]], max_tokens: in
     planner = copy.copy(engine.planner)  # the engine's policy, reserving room for max_tokens
     if max_tokens is not None:
         planner.reply_reserve = max(planner.reply_reserve, max_tokens)
-    plan = planner.plan(messages, max_tokens, overflow="truncate", tools=tools)
+    plan = planner.plan(messages, max_tokens, overflow="truncate", tools=tools, think=think)
     if not plan.dropped:
         return list(messages), None
-    full = planner.count(messages, tools=tools)
+    full = planner.count(messages, tools=tools, think=think)
     cut = Truncation(plan.dropped, full - len(plan.new_ids), len(plan.new_ids))
     log.info("%s: truncated the prompt to fit the context window of %d: dropped the %d oldest "
              "messages (%d tokens), %d tokens left", model or engine.name,
@@ -268,15 +286,17 @@ def finish_reason(event: FinishEvent | None) -> str:
     return "length" if reason == "length" else "stop"
 
 
-def chat_message(text: str, event: FinishEvent | None,
-                 calls: ToolPlan | None) -> tuple[p.AssistantMessage, str]:
-    """The assistant message and finish_reason of one finished choice (with its tool calls)."""
+def chat_message(text: str, event: FinishEvent | None, calls: ToolPlan | None,
+                 reasoning: str = "") -> tuple[p.AssistantMessage, str]:
+    """The assistant message and finish_reason of one finished choice (with its tool calls
+    and a reasoning model's thinking)."""
+    thought = reasoning or None
     if calls is not None:
         content, found = parse_calls(text, calls.style, calls.tools)
         if found:
-            return (p.AssistantMessage(content=content or None,
+            return (p.AssistantMessage(content=content or None, reasoning_content=thought,
                                        tool_calls=[c.to_dict() for c in found]), "tool_calls")
-    return p.AssistantMessage(content=text), finish_reason(event)
+    return p.AssistantMessage(content=text, reasoning_content=thought), finish_reason(event)
 
 
 class ToolPlan:
@@ -366,6 +386,7 @@ async def chat_completions(request: Request) -> Response:
     overrides = {**sampling(body, max_tokens, max_param), **fmt}
     if body.logprobs:
         overrides["logprobs"] = body.top_logprobs or 0
+    think = thinking_switch(body)
     n = check_n(body, state)
     loaded = await state.pool.acquire(body.model)
     release: Any = loaded
@@ -384,13 +405,13 @@ async def chat_completions(request: Request) -> Response:
         truncate = wants_truncation(body)
         try:
             kept, cut = fit_messages(engine, messages, max_tokens, defs, truncate=truncate,
-                                     model=loaded.ref)
+                                     model=loaded.ref, think=think)
         except ContextWindowError as exc:
             raise messages_too_long(exc, engine, truncate,
                                     has_older_turns(messages)) from None
         if max_tokens is not None:
             prompt_tokens = (cut.kept_tokens if cut is not None
-                             else engine.count_tokens(kept, tools=defs))
+                             else engine.count_tokens(kept, tools=defs, think=think))
             try:
                 check_window(engine, prompt_tokens, max_tokens, max_param)
             except ContextWindowError as exc:
@@ -403,7 +424,7 @@ async def chat_completions(request: Request) -> Response:
         overflow = "truncate" if truncate else None
         try:
             streams = submit(n, body.seed, lambda extra: engine.chat(
-                kept, tools=defs, overflow=overflow, **{**overrides, **extra}))
+                kept, tools=defs, overflow=overflow, think=think, **{**overrides, **extra}))
         except ContextWindowError as exc:
             raise messages_too_long(exc, engine, truncate,
                                     has_older_turns(messages)) from None
@@ -414,7 +435,7 @@ async def chat_completions(request: Request) -> Response:
         if not body.stream:
             async with cancel_on_disconnect(request, streams):
                 choices = await collect(events, n)
-            answers = [chat_message(c.text, c.finish, plan) for c in choices]
+            answers = [chat_message(c.text, c.finish, plan, c.reasoning) for c in choices]
             result = p.ChatCompletion(
                 id=cid, created=created, model=body.model, system_fingerprint=FINGERPRINT,
                 choices=[p.ChatChoice(
@@ -427,8 +448,9 @@ async def chat_completions(request: Request) -> Response:
                 usage=usage_of(choices))
             data = result.model_dump()
             for choice in data["choices"]:
-                if choice["message"].get("tool_calls") is None:
-                    choice["message"].pop("tool_calls", None)
+                for key in ("tool_calls", "reasoning_content"):
+                    if choice["message"].get(key) is None:
+                        choice["message"].pop(key, None)
             return JSONResponse(data, headers=truncation_headers(cut))
         async with cancel_on_disconnect(request, streams):
             first = await anext(events)  # an error before any token is still a status
@@ -479,6 +501,8 @@ async def chat_chunks(events: AsyncIterator[tuple[int, TokenEvent | FinishEvent]
         for i in range(n):
             yield chunk(i, p.Delta(role="assistant", content=""))
         async for i, event in events:
+            if event.reasoning:  # thinking goes first: a token's answer text follows it
+                yield chunk(i, p.Delta(reasoning_content=event.reasoning))
             if isinstance(event, TokenEvent):
                 if logprobs:
                     pending[i].append(chat_logprob(tokenizer, event))

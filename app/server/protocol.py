@@ -33,6 +33,7 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_calls: list[Any] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an earlier reply's thinking (vLLM, DeepSeek)
 
 
 class StreamOptions(_Request):
@@ -86,6 +87,9 @@ class ChatCompletionRequest(SamplingParams):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
+    # A reasoning model's thinking switch: vLLM's {"enable_thinking": false}, or `think`.
+    chat_template_kwargs: dict[str, Any] | None = None
+    think: bool | None = None
 
 
 class CompletionRequest(SamplingParams):
@@ -139,6 +143,7 @@ class AssistantMessage(_Response):
     content: str | None = None
     refusal: None = None
     tool_calls: list[dict[str, Any]] | None = None
+    reasoning_content: str | None = None  # the thinking of a reasoning model (left out: none)
 
 
 class ChatChoice(_Response):
@@ -161,6 +166,7 @@ class ChatCompletion(_Response):
 class Delta(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
 
 
@@ -243,6 +249,7 @@ class OllamaMessage(_Request):
     images: list[Any] | None = None
     tool_calls: list[Any] | None = None  # an assistant's calls: [{"function": {name, arguments}}]
     tool_name: str | None = None  # a tool result's function
+    thinking: str | None = None  # an assistant's earlier thinking
 
 
 class OllamaBase(_Request):
@@ -252,6 +259,7 @@ class OllamaBase(_Request):
     format: Any = None
     keep_alive: float | str | None = None
     truncate: bool | None = None  # drop the oldest turns when the prompt outgrows the window
+    think: bool | None = None  # a reasoning model's thinking switch (None: its default)
 
 
 class OllamaChatRequest(OllamaBase):

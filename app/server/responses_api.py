@@ -31,7 +31,8 @@ from localchat.server.streaming import ReplyStreamingResponse, cancel_on_disconn
 from localchat.server.tools import Tool, check_tools, chosen_tools, tool_messages
 
 router = APIRouter()
-PARAMS = Params(input="input", max_tokens="max_output_tokens", response_format="text.format")
+PARAMS = Params(input="input", max_tokens="max_output_tokens", response_format="text.format",
+                think="reasoning")
 MAX_STORED = 256
 MAX_STORED_BYTES = 64 * 2**20
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -70,6 +71,18 @@ class ResponsesRequest(BaseModel):
     top_logprobs: int | None = None
 
 
+def reasoning_switch(body: ResponsesRequest) -> bool | None:
+    """The thinking switch `reasoning.effort` asks for: "none" is off, another effort on (a
+    reasoning model thinks as long as it thinks: the effort is not a budget); None: unset."""
+    effort = (body.reasoning or {}).get("effort")
+    if effort is None:
+        return None
+    if effort not in ("none", "minimal", "low", "medium", "high"):
+        raise InvalidRequestError(f"reasoning.effort must be none, minimal, low, medium or "
+                                  f"high, got {effort!r}", "reasoning")
+    return effort != "none"
+
+
 def unsupported(body: ResponsesRequest) -> None:
     """A 400 naming the first parameter that asks for a feature this server does not have."""
     if body.background:
@@ -80,9 +93,6 @@ def unsupported(body: ResponsesRequest) -> None:
                                   "previous_response_id", "conversation")
     if body.prompt is not None:
         raise InvalidRequestError("stored prompt templates are not supported", "prompt")
-    if body.reasoning and any(v not in (None, "none") for v in body.reasoning.values()):
-        raise InvalidRequestError("reasoning is not supported: the local models here do not "
-                                  "reason before answering", "reasoning")
     for value in body.include or ():
         if value not in NO_OP_INCLUDES:
             raise InvalidRequestError(f"include {value!r} is not supported", "include")
@@ -302,7 +312,8 @@ async def create_response(request: Request) -> Response:
     params = p.SamplingParams(model=body.model, temperature=body.temperature, top_p=body.top_p)
     overrides = {**sampling(params, body.max_output_tokens, "max_output_tokens"), **fmt}
     run = await start_chat(state, body.model, messages, tools, mode, callable_tools, overrides,
-                           PARAMS, "truncate" if body.truncation == "auto" else None)
+                           PARAMS, "truncate" if body.truncation == "auto" else None,
+                           think=reasoning_switch(body))
     release = True
     try:
         config = run.engine.config

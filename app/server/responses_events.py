@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from localchat.errors import LocalchatError
-from localchat.server.chat_run import Finished
+from localchat.server.chat_run import Finished, Thought
 from localchat.server.tools import ToolCall
 
 log = logging.getLogger("localchat.server")
@@ -34,10 +34,18 @@ def call_item(item_id: str, call: ToolCall) -> dict[str, Any]:
             "arguments": call.arguments, "status": "completed"}
 
 
+def reasoning_item(message_id: str, text: str) -> dict[str, Any]:
+    """A reasoning model's thinking as a `reasoning` output item (its text as the summary)."""
+    return {"type": "reasoning", "id": "rs_" + message_id.removeprefix("msg_"),
+            "summary": [{"type": "summary_text", "text": text}], "status": "completed"}
+
+
 def output_items(finished: Finished, message_id: str) -> list[dict[str, Any]]:
-    """A finished reply's output: its text as a message (unless the reply is only calls), then
-    one item per call."""
+    """A finished reply's output: its thinking (a reasoning model's), its text as a message
+    (unless the reply is only calls), then one item per call."""
     items: list[dict[str, Any]] = []
+    if finished.reasoning:
+        items.append(reasoning_item(message_id, finished.reasoning))
     if finished.text or not finished.calls:
         status = "incomplete" if finished.reason == "length" else "completed"
         items.append(message_item(message_id, finished.text, status))
@@ -67,16 +75,29 @@ class EventCounter:
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def response_events(parts: AsyncIterator[str | Finished], shell: dict[str, Any],
-                          message_id: str,
+async def response_events(parts: AsyncIterator[str | Thought | Finished],
+                          shell: dict[str, Any], message_id: str,
                           finish: Callable[[Finished], dict[str, Any]]) -> AsyncIterator[str]:
     """The events of a streamed response. `shell` is the response while it runs; `finish`
-    makes the final response from the finished reply (and stores it)."""
+    makes the final response from the finished reply (and stores it). A reasoning model's
+    thinking is sent as one `reasoning` item, whole, before the message."""
     seq = EventCounter()
     where = {"item_id": message_id, "output_index": 0, "content_index": 0}
+    thinking: list[str] = []
+
+    def thought() -> list[str]:
+        """The reasoning item's events, once its thinking is over (then the message is 1)."""
+        if not thinking or where["output_index"] == 1:
+            return []
+        where["output_index"] = 1
+        item = reasoning_item(message_id, "".join(thinking))
+        return [seq.event("response.output_item.added", output_index=0,
+                          item={**item, "summary": [], "status": "in_progress"}),
+                seq.event("response.output_item.done", output_index=0, item=item)]
 
     def opened() -> list[str]:
-        return [seq.event("response.output_item.added", output_index=0,
+        return [*thought(),
+                seq.event("response.output_item.added", output_index=where["output_index"],
                           item=message_item(message_id, None, "in_progress")),
                 seq.event("response.content_part.added", **where, part=text_part(""))]
 
@@ -85,6 +106,9 @@ async def response_events(parts: AsyncIterator[str | Finished], shell: dict[str,
     started = False
     try:
         async for part in parts:
+            if isinstance(part, Thought):
+                thinking.append(part.text)
+                continue
             if isinstance(part, str):
                 if not started:
                     for event in opened():
@@ -94,6 +118,10 @@ async def response_events(parts: AsyncIterator[str | Finished], shell: dict[str,
                 continue
             final = finish(part)
             for index, item in enumerate(final["output"]):
+                if item["type"] == "reasoning":
+                    for event in thought():
+                        yield event
+                    continue
                 if item["type"] == "message":
                     if not started:
                         for event in opened():
@@ -102,7 +130,7 @@ async def response_events(parts: AsyncIterator[str | Finished], shell: dict[str,
                     yield seq.event("response.output_text.done", **where, text=content["text"],
                                     logprobs=[])
                     yield seq.event("response.content_part.done", **where, part=content)
-                    yield seq.event("response.output_item.done", output_index=0, item=item)
+                    yield seq.event("response.output_item.done", output_index=index, item=item)
                     continue
                 yield seq.event("response.output_item.added", output_index=index,
                                 item={**item, "arguments": "", "status": "in_progress"})

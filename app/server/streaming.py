@@ -27,10 +27,15 @@ class Choice:
     pieces: list[str] = field(default_factory=list)
     tokens: list[TokenEvent] = field(default_factory=list)
     finish: FinishEvent | None = None
+    thoughts: list[str] = field(default_factory=list)  # a reasoning model's thinking
 
     @property
     def text(self) -> str:
         return "".join(self.pieces)
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self.thoughts)
 
 
 class Tracker:
@@ -128,6 +133,8 @@ async def collect(events: AsyncIterator[tuple[int, TokenEvent | FinishEvent]],
     async for i, event in events:
         if event.text:
             choices[i].pieces.append(event.text)
+        if event.reasoning:
+            choices[i].thoughts.append(event.reasoning)
         if isinstance(event, TokenEvent):
             choices[i].tokens.append(event)
         else:

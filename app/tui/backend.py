@@ -80,6 +80,8 @@ class ChatModel(Protocol):
     # the sampling defaults a reply gets when the conversation sets nothing (GenerationConfig's
     # field names), or None where they are not known (a server that does not tell)
     defaults: dict[str, Any] | None
+    # whether the model may think before answering (a reasoning model: Qwen3, DeepSeek-R1)
+    thinks: bool
 
     def reply(self, key: str, messages: Sequence[dict[str, str]],
               settings: ChatSettings) -> ReplyStream:
@@ -134,6 +136,7 @@ class LocalChatModel:
         self.device = str(engine.model.device.kind)
         # the engine's own defaults: the model's generation_config.json over the class's
         self.defaults: dict[str, Any] | None = engine.config.to_dict()
+        self.thinks = engine.thinks  # a reasoning model (its replies may hold thinking)
         self._conversations: dict[str, Conversation] = {}
         self._lock = threading.Lock()
 
@@ -144,17 +147,19 @@ class LocalChatModel:
             raise ValueError("the last message must be the user's")
         system = [{"role": "system", "content": settings.system}] if settings.system else []
         overrides = settings.overrides()
+        # the chat's thinking switch, for a model that thinks (others ignore it)
+        think = settings.think if self.thinks else None
         with self._lock:
             conv = self._conversations.get(key)
-            if conv is not None and (conv.busy or conv.messages != system + history):
+            if conv is not None and (conv.busy or _plain(conv.messages) != system + history):
                 self._conversations.pop(key).close()
                 conv = None
             if conv is None and not history:
                 conv = self.engine.conversation(system=settings.system or None)
                 self._conversations[key] = conv
             if conv is not None:
-                return conv.send(last["content"], **overrides)
-        return self.engine.chat([*system, *history, last], **overrides)
+                return conv.send(last["content"], think=think, **overrides)
+        return self.engine.chat([*system, *history, last], think=think, **overrides)
 
     def forget(self, key: str) -> None:
         with self._lock:
@@ -164,6 +169,11 @@ class LocalChatModel:
 
     def close(self) -> None:
         self.engine.close()
+
+
+def _plain(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as the UI keeps them: role and content (the thinking is shown, not resent)."""
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
 def recipe_catalog() -> list[CatalogEntry]:

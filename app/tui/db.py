@@ -52,7 +52,12 @@ def _run_script(db: sqlite3.Connection, script: str) -> None:
             db.execute(statement)
 
 
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_v0_to_v1]
+def _v1_to_v2(db: sqlite3.Connection) -> None:
+    # a reasoning model's thinking, kept apart from the reply's content
+    db.execute("ALTER TABLE messages ADD COLUMN thinking TEXT NOT NULL DEFAULT ''")
+
+
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_v0_to_v1, _v1_to_v2]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -79,6 +84,7 @@ class MessageRow:
     content: str
     status: str = "done"
     stats: dict[str, Any] | None = field(default=None)
+    thinking: str = ""  # a reasoning model's thinking before this reply
 
 
 def default_path() -> Path:
@@ -190,7 +196,8 @@ class ChatDB:
 
     # messages --------------------------------------------------------------------------------
     def add_message(self, conversation_id: int, role: str, content: str, *,
-                    status: str = "done", stats: dict[str, Any] | None = None) -> int:
+                    status: str = "done", stats: dict[str, Any] | None = None,
+                    thinking: str = "") -> int:
         """Append a message (one transaction, with the conversation's `updated`); its id."""
         now = time.time()
         with self._lock:
@@ -198,9 +205,9 @@ class ChatDB:
             try:
                 cur = self._db.execute(
                     "INSERT INTO messages (conversation_id, role, content, status, stats, "
-                    "created) VALUES (?, ?, ?, ?, ?, ?)",
+                    "created, thinking) VALUES (?, ?, ?, ?, ?, ?, ?)",
                     (conversation_id, role, content, status,
-                     json.dumps(stats) if stats is not None else None, now),
+                     json.dumps(stats) if stats is not None else None, now, thinking),
                 )
                 self._db.execute("UPDATE conversations SET updated = ? WHERE id = ?",
                                  (now, conversation_id))
@@ -216,7 +223,7 @@ class ChatDB:
                           (conversation_id,))
         return [
             MessageRow(r["id"], r["conversation_id"], r["role"], r["content"], r["status"],
-                       json.loads(r["stats"]) if r["stats"] else None)
+                       json.loads(r["stats"]) if r["stats"] else None, r["thinking"])
             for r in rows
         ]
 

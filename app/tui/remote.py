@@ -86,6 +86,7 @@ class RemoteReplyStream(ReplyStream):
         self._end_lock = threading.Lock()
         self._ended = False
         self._received: list[str] = []
+        self._thoughts: list[str] = []
         self._first: float | None = None
         self._last: float | None = None
         self._chunks = 0
@@ -122,11 +123,12 @@ class RemoteReplyStream(ReplyStream):
                 self.finish(None, error)
                 self.put(error)
                 return
-            reply = Reply("".join(self._received), [], reason, self._stats(reason))
+            reply = Reply("".join(self._received), [], reason, self._stats(reason),
+                          reasoning="".join(self._thoughts))
             self.finish(reply)
             self.put(FinishEvent(self.id, "", reply))
 
-    def _token(self, text: str) -> None:
+    def _token(self, text: str, reasoning: str = "") -> None:
         with self._end_lock:
             if self._ended:
                 return
@@ -136,7 +138,8 @@ class RemoteReplyStream(ReplyStream):
             self._last = now
             self._chunks += 1
             self._received.append(text)
-            self.put(TokenEvent(self.id, -1, text))
+            self._thoughts.append(reasoning)
+            self.put(TokenEvent(self.id, -1, text, reasoning=reasoning))
 
     def _read(self) -> None:
         try:
@@ -153,9 +156,10 @@ class RemoteReplyStream(ReplyStream):
                 if chunk.get("usage"):
                     self._usage = chunk["usage"]
                 for choice in chunk.get("choices") or []:
-                    content = (choice.get("delta") or {}).get("content")
-                    if content:
-                        self._token(content)
+                    delta = choice.get("delta") or {}
+                    content, thought = delta.get("content"), delta.get("reasoning_content")
+                    if content or thought:  # thinking: vLLM's and DeepSeek's field
+                        self._token(content or "", thought or "")
                     if choice.get("finish_reason"):
                         self._reason = "length" if choice["finish_reason"] == "length" else "stop"
         except LocalchatError as exc:
@@ -229,6 +233,8 @@ def request_body(model: str, messages: Sequence[dict[str, str]],
         "stream_options": {"include_usage": True},
     }
     body.update(settings.overrides())
+    if settings.think is not None:  # vLLM's (and llama.cpp's) way to switch thinking
+        body["chat_template_kwargs"] = {"enable_thinking": settings.think}
     return body
 
 
@@ -243,6 +249,7 @@ class RemoteChatModel:
         self.context_window = context_window
         self.device = backend.where
         self.defaults = defaults
+        self.thinks = True  # not known here: a server refuses thinking for a model without it
 
     def reply(self, key: str, messages: Sequence[dict[str, str]],
               settings: ChatSettings) -> RemoteReplyStream:

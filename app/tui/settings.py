@@ -55,6 +55,7 @@ class ChatSettings:
     context_window: int | None = None
     output_format: str = "text"  # a key of OUTPUT_FORMATS
     json_schema: str = ""  # the schema as typed (kept as text so the form shows it again)
+    think: bool | None = None  # a reasoning model's thinking: on, off, None = its default
 
     def response_format(self) -> dict[str, Any] | None:
         """The `GenerationConfig.response_format` of the output format (None: free text)."""
@@ -84,8 +85,10 @@ class ChatSettings:
         return cls(**{k: v for k, v in (data or {}).items() if k in names})
 
     def as_text(self) -> dict[str, str]:
-        """Each field as the form shows it ("" for a default)."""
-        return {k: "" if v is None else str(v) for k, v in self.to_dict().items()}
+        """Each field as the form shows it ("" for a default); the thinking switch is a key of
+        the chat screen, not a form field."""
+        return {k: "" if v is None else str(v) for k, v in self.to_dict().items()
+                if k != "think"}
 
 
 def parse_schema(text: str, *, compile_check: bool = False) -> dict[str, Any]:

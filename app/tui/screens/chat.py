@@ -146,6 +146,7 @@ class ChatScreen(Screen[None]):
         Binding("ctrl+n", "new_chat", "New chat"),
         Binding("ctrl+b", "copy_last", "Copy reply", show=False),
         Binding("ctrl+t", "stats_details", "Stats", show=False),
+        Binding("ctrl+g", "toggle_think", "Thinking on/off", show=False),
     ]
 
     def __init__(self, model_ref: str, conversation_id: int | None = None) -> None:
@@ -198,7 +199,8 @@ class ChatScreen(Screen[None]):
         self.title = row.title
         views = [
             MessageView(m.role, m.content, author=self._author(m.role), status=m.status,
-                        message_id=m.id, stats=m.stats if m.role == "assistant" else None)
+                        message_id=m.id, stats=m.stats if m.role == "assistant" else None,
+                        thinking=m.thinking)
             for m in self.db.messages(conversation_id) if m.role in ("user", "assistant")
         ]
         self.query_one("#messages").mount_all(views)
@@ -368,6 +370,8 @@ class ChatScreen(Screen[None]):
         started = time.monotonic()
         first_token: float | None = None
         tokens, pieces, last_draw = 0, [], 0.0
+        thoughts: list[str] = []  # a reasoning model's thinking, shown in its own block
+        thoughts_shown, last_thought = 0, 0.0
         unwritten, last_write = [], 0.0
         interval, cpu_mark = RENDER_INTERVAL_S, time.thread_time()  # the UI thread's CPU clock
         reply = None
@@ -389,6 +393,13 @@ class ChatScreen(Screen[None]):
                 if event.text:
                     pieces.append(event.text)
                     unwritten.append(event.text)
+                if event.reasoning:
+                    thoughts.append(event.reasoning)
+                if len(thoughts) != thoughts_shown and (now - last_thought >= interval
+                                                       or isinstance(event, FinishEvent)
+                                                       or event.text):
+                    thoughts_shown, last_thought = len(thoughts), now
+                    view.set_thinking("".join(thoughts))
                 # Markdown is re-rendered at most ~12 times a second, not per token, and less
                 # often when renders get costly (UI_CPU_BUDGET).
                 if unwritten and (now - last_write >= interval
@@ -415,21 +426,24 @@ class ChatScreen(Screen[None]):
             # marked stopped, as Esc would. Written here, synchronously: the loop is ending.
             if self.stream is not None:
                 self.stream.cancel()
-            if pieces:
-                self.db.add_message(cid, "assistant", "".join(pieces), status="cancelled")
+            if pieces or thoughts:
+                self.db.add_message(cid, "assistant", "".join(pieces), status="cancelled",
+                                    thinking="".join(thoughts))
             raise
         finally:
             self.stream = None
             await writer.stop()
         content = reply.text if reply is not None else "".join(pieces)
+        thinking = reply.reasoning if reply is not None else "".join(thoughts)
         view.content = content
+        view.set_thinking(thinking)
         await view.body.update(content)  # the whole text once more: fences never stay blank
         status = "error" if error else (
             "cancelled" if reply is not None and reply.finish_reason == "cancelled" else "done")
-        if content or status != "error":
+        if content or thinking or status != "error":
             view.message_id = await asyncio.to_thread(
                 self.db.add_message, cid, "assistant", content, status=status,
-                stats=reply.stats.to_dict() if reply is not None else None)
+                stats=reply.stats.to_dict() if reply is not None else None, thinking=thinking)
         view.set_status(status, error)
         if reply is not None:
             view.set_stats(reply.stats.to_dict())  # per reply, as `ollama run --verbose`
@@ -448,6 +462,8 @@ class ChatScreen(Screen[None]):
         def done(settings: ChatSettings | None) -> None:
             if settings is None:
                 return
+            # the form has no thinking field: the chat's switch (Ctrl+G) stays
+            settings = dataclasses.replace(settings, think=self.settings.think)
             reload = settings.context_window != self.settings.context_window
             self.settings = settings
             if self.conversation_id is not None:
@@ -462,6 +478,18 @@ class ChatScreen(Screen[None]):
 
         self.app.push_screen(SettingsScreen(self.settings, max_window=window,
                                             defaults=defaults, unknown=unknown), done)
+
+    def action_toggle_think(self) -> None:
+        """Switch this chat's thinking off or on (a reasoning model's; kept with the chat)."""
+        if self.model is not None and not getattr(self.model, "thinks", True):
+            self.notify(f"{self.model.name} does not think before answering",
+                        severity="warning")
+            return
+        current = self.settings.think if self.settings.think is not None else True
+        self.settings = dataclasses.replace(self.settings, think=not current)
+        if self.conversation_id is not None:
+            self.db.set_settings(self.conversation_id, self.settings.to_dict())
+        self.notify(f"thinking {'on' if self.settings.think else 'off'} for this chat")
 
     def action_export(self) -> None:
         messages = [dict(v.as_dict(), status=v.status) for v in self.views]

@@ -51,8 +51,9 @@ HELP = """\
   Ctrl+S        settings (system prompt, parameters, output format)
   Ctrl+O        export to Markdown              Ctrl+T   stats of the last reply
   Ctrl+B        copy the last reply (OSC 52: works over SSH and tmux)
+  Ctrl+G        thinking on/off for this chat (reasoning models: Qwen3, DeepSeek-R1)
   Tab           focus the messages; on one: c copy, b copy its last code block,
-                e edit & resend (your messages)
+                e edit & resend (your messages), t show/hide the thinking
 """
 
 

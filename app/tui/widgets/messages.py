@@ -1,5 +1,6 @@
-"""One chat message on screen: who wrote it, its Markdown body, its state (streaming,
-stopped, failed) and, under a finished reply, its stats line (token counts, prefill and decode
+"""One chat message on screen: who wrote it, a reasoning model's thinking in a collapsed block
+above the reply (t expands it), its Markdown body, its state (streaming, stopped, failed) and,
+under a finished reply, its stats line (token counts, prefill and decode
 speed, time to first token: what `ollama run --verbose` prints after each reply). Focus one to
 copy it, copy its last code block, or edit and resend it; its header then names those keys
 (the footer has no room for them at 80 columns)."""
@@ -14,7 +15,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
 from textual.message import Message
-from textual.widgets import Label, Markdown
+from textual.widgets import Collapsible, Label, Markdown, Static
 
 CODE_BLOCK = re.compile(r"```[^\n]*\n(.*?)(?:```|\Z)", re.S)
 STATUS_MARKS = {"cancelled": "⏹ stopped", "error": "⚠ failed", "streaming": "…"}
@@ -59,12 +60,22 @@ class MessageView(Vertical, can_focus=True):
         color: $text-muted;
         text-style: dim;
     }
+    MessageView > .message-thinking {
+        border: none;
+        padding: 0;
+        margin: 0;
+    }
+    MessageView .thinking-text {
+        color: $text-muted;
+        text-style: italic;
+    }
     """
 
     BINDINGS = [
         Binding("c", "copy", "Copy", show=False),
         Binding("b", "copy_code", "Copy code", show=False),
         Binding("e", "edit", "Edit & resend", show=False),
+        Binding("t", "toggle_thinking", "Thinking", show=False),
     ]
 
     class EditRequested(Message):
@@ -76,7 +87,7 @@ class MessageView(Vertical, can_focus=True):
 
     def __init__(self, role: str, content: str = "", *, author: str = "",
                  status: str = "done", message_id: int | None = None,
-                 stats: Mapping[str, Any] | None = None) -> None:
+                 stats: Mapping[str, Any] | None = None, thinking: str = "") -> None:
         super().__init__(classes=f"message -{role}")
         self.role = role
         self.content = content
@@ -85,14 +96,59 @@ class MessageView(Vertical, can_focus=True):
         self.message_id = message_id
         self.error: str | None = None
         self.stats: Mapping[str, Any] | None = stats or None
+        self.thinking = thinking
 
     def compose(self) -> ComposeResult:
         yield Label(self._header(), classes="message-header", markup=False)
+        block = Collapsible(Static(self.thinking, classes="thinking-text", markup=False),
+                            title=self._thinking_title(), collapsed=True,
+                            classes="message-thinking")
+        block.display = bool(self.thinking)  # from the first layout: no block, no line
+        yield block
         yield Markdown(self.content, classes="message-body")
         yield Label(self.stats_text, classes="message-stats", markup=False)
 
     def on_mount(self) -> None:
         self.query_one(".message-stats", Label).display = bool(self.stats)
+
+    @property
+    def thinking_block(self) -> Collapsible:
+        """The collapsible block that holds the thinking (hidden when there is none)."""
+        return self.query_one(".message-thinking", Collapsible)
+
+    def _thinking_title(self) -> str:
+        words = len(self.thinking.split())
+        doing = "thinking…" if self.status == "streaming" else "thought"
+        return f"{doing} ({words} words · t to {'show' if self._collapsed() else 'hide'})"
+
+    def _collapsed(self) -> bool:
+        try:
+            return self.thinking_block.collapsed
+        except Exception:  # noqa: BLE001 - not composed yet: it starts collapsed
+            return True
+
+    def set_thinking(self, thinking: str) -> None:
+        """Show the reply's thinking so far (the block stays as the user left it)."""
+        self.thinking = thinking
+        block = self.thinking_block
+        block.display = bool(thinking)
+        block.query_one(".thinking-text", Static).update(thinking)
+        block.title = self._thinking_title()
+
+    def on_collapsible_expanded(self, event: Collapsible.Expanded) -> None:
+        self.thinking_block.title = self._thinking_title()  # clicked open
+
+    def on_collapsible_collapsed(self, event: Collapsible.Collapsed) -> None:
+        self.thinking_block.title = self._thinking_title()
+
+    def action_toggle_thinking(self) -> None:
+        """Expand or collapse the thinking block."""
+        if not self.thinking:
+            self.notify("no thinking in this message", severity="warning")
+            return
+        block = self.thinking_block
+        block.collapsed = not block.collapsed
+        block.title = self._thinking_title()
 
     @property
     def stats_text(self) -> str:
@@ -118,6 +174,7 @@ class MessageView(Vertical, can_focus=True):
             text = f"{text}  {self.error}"
         if focused:
             keys = "c copy · b copy code" + (" · e edit & resend" if self.role == "user" else "")
+            keys += " · t thinking" if self.thinking else ""
             text = f"{text}  ({keys})"
         return text
 
@@ -134,6 +191,8 @@ class MessageView(Vertical, can_focus=True):
         self.set_class(status == "cancelled", "-cancelled")
         self.set_class(status == "error", "-error")
         self.query_one(".message-header", Label).update(self._header(self.has_focus))
+        if self.thinking:
+            self.thinking_block.title = self._thinking_title()
 
     def as_dict(self) -> dict[str, str]:
         """The message for the model."""
