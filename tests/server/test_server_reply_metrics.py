@@ -12,7 +12,8 @@ import openai
 from serve_helpers import MODEL, Server
 
 NO_EOS = {"2": -100}  # SmolLM2's <|im_end|>: the reply runs to max_tokens
-SAMPLE = re.compile(r'^(localchat_[a-z_]+)(\{[^}]*\})? (\S+)$')
+# a sample line; label values are quoted and may hold braces (route="/v1/models/{id}")
+SAMPLE = re.compile(r'^(localchat_[a-z_]+)(\{(?:[^"}]|"(?:[^"\\]|\\.)*")*\})? (\S+)$')
 
 
 def scrape(server: Server) -> str:
