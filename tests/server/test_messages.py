@@ -192,4 +192,5 @@ def test_errors_have_anthropics_shape(client: anthropic.Anthropic, srv: Server) 
         anthropic.Anthropic(base_url=srv.url, api_key="wrong", max_retries=0).messages.create(
             model=MODEL, max_tokens=8, messages=HELLO)
     r = httpx.post(f"{srv.url}/v1/messages", json={"model": MODEL}, timeout=30)
-    assert r.status_code == 401  # no key at all
+    assert r.status_code == 401  # no key at all, refused before the route: Anthropic's shape too
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "authentication_error"
