@@ -77,6 +77,8 @@ def route_label(path: str) -> str:
         return path
     if path.startswith("/v1/models/"):
         return "/v1/models/{id}"
+    if path.startswith("/v1/responses/"):
+        return "/v1/responses/{id}"
     return "other"
 
 

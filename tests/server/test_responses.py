@@ -233,3 +233,11 @@ def test_store_keeps_the_newest_within_its_bounds() -> None:
     big.put(body(99, "z" * 2_000), [])  # bigger than the whole budget: not kept
     assert big.get("resp_99") is None and len(big) == 1_000 // each
     assert big.delete("resp_9") and not big.delete("resp_9")
+
+
+def test_stored_response_routes_have_their_own_metrics_label() -> None:
+    from localchat.server.app import route_label
+
+    assert route_label("/v1/responses/resp_abc") == "/v1/responses/{id}"
+    assert route_label("/v1/responses") == "/v1/responses"
+    assert route_label("/v1/nowhere") == "other"
