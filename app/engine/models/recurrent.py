@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from tvm import relax as rx
@@ -28,6 +29,8 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 from localchat.engine.kernels import wkv
+from localchat.engine.models import probes
+from localchat.engine.models.export import model_spec
 from localchat.engine.models.layers import Linear
 
 # ------------------------------------------------------------------------------------------------
@@ -238,3 +241,77 @@ class RnnState(nn.Object):
             )
         )
         return RnnState(_expr=expr, _name="rnn_state")
+
+
+# ------------------------------------------------------------------------------------------------
+# The exported model
+# ------------------------------------------------------------------------------------------------
+
+
+class RecurrentLM(nn.Module):
+    """What every recurrent language model exports, over its own blocks: embed, (batch_)prefill,
+    (batch_)decode, the RNN-state constructor and the debug build's prefill. A subclass sets
+    `cfg`, `mode`, `target`, `embeddings`, `ln_out` and `head` and defines `_blocks` (the block
+    stack over a flat batch, probing each block's output) and `state_layout` (one layer's
+    state)."""
+
+    cfg: Any
+    mode: Any
+    target: Any
+
+    def _blocks(self, x: nn.Tensor, seg: Segments, state: RnnState) -> tuple[nn.Tensor, RnnState]:
+        raise NotImplementedError
+
+    def state_layout(self) -> Sequence[StateTensor]:
+        """The state of one layer of a sequence, by state id."""
+        raise NotImplementedError
+
+    def _logits(self, x: nn.Tensor, gemv: bool) -> nn.Tensor:
+        logits = project(self.head, self.ln_out(x), gemv)
+        return logits.astype("float32") if logits.dtype != "float32" else logits
+
+    def _forward(self, x: nn.Tensor, ends: nn.Tensor, state: RnnState, gemv: bool = False):
+        """x [n, h] holding B sequences ending at `ends` -> logits [B, vocab] (float32).
+        `gemv`: one token per sequence (decode), so Linears run as matrix-vector products."""
+        seg = Segments.of(x, ends, gemv)
+        x, state = self._blocks(x, seg, state)
+        # the head always sees one row per sequence
+        return self._logits(seg.last_rows(x), True), state
+
+    def embed(self, input_ids: nn.Tensor) -> nn.Tensor:
+        return self.embeddings(input_ids)
+
+    def prefill(self, input_embed: nn.Tensor, rnn_state: RnnState):
+        logits, state = self._forward(input_embed, prefill_ends(input_embed), rnn_state)
+        return op.reshape(logits, (1, 1, self.cfg.vocab_size)), state
+
+    def decode(self, input_embed: nn.Tensor, rnn_state: RnnState):
+        logits, state = self._forward(input_embed, decode_ends(input_embed), rnn_state, True)
+        return op.reshape(logits, (1, 1, self.cfg.vocab_size)), state
+
+    def batch_prefill(self, input_embeds: nn.Tensor, logit_positions: nn.Tensor, rnn_state):
+        return self._forward(input_embeds, logit_positions, rnn_state)
+
+    def batch_decode(self, input_embeds: nn.Tensor, rnn_state: RnnState):
+        return self._forward(input_embeds, decode_ends(input_embeds), rnn_state, True)
+
+    def debug_prefill(self, input_embed: nn.Tensor, rnn_state: RnnState):
+        """A debug build's prefill: logits at every position, then every probe (`probes`)."""
+        with probes.recording() as rec:
+            seg = Segments.of(input_embed, prefill_ends(input_embed))
+            x, state = self._blocks(input_embed, seg, rnn_state)
+        self.debug_probes = rec.names()
+        return (self._logits(x, False), *rec.outputs()), state
+
+    def create_rnn_state(self, max_batch_size: tirx.Var, max_history: tirx.Var) -> RnnState:
+        gpu = self.target.kind.name != "llvm"
+        return RnnState.create(max_batch_size, max_history, self.cfg.num_hidden_layers,
+                               self.state_layout(), gpu)
+
+    def get_default_spec(self) -> nn.spec.ModuleSpec:
+        return model_spec(self, hidden_size=self.cfg.hidden_size, dtype=self.mode.dtype,
+                          state="rnn", state_type=RnnState)
+
+    def get_debug_spec(self) -> nn.spec.ModuleSpec:
+        return probes.debug_spec(self, hidden_size=self.cfg.hidden_size, dtype=self.mode.dtype,
+                                 state="rnn", state_type=RnnState)

@@ -32,7 +32,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from tvm import tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 from tvm.target import Target
@@ -40,15 +39,12 @@ from tvm.target import Target
 from localchat.engine.build.quantization import QuantMode
 from localchat.engine.kernels import wkv
 from localchat.engine.models import Architecture, probes
-from localchat.engine.models.export import model_spec
 from localchat.engine.models.layers import BuildContext, Embedding, Linear
 from localchat.engine.models.recurrent import (
+    RecurrentLM,
     RnnState,
     Segments,
     StateTensor,
-    decode_ends,
-    prefill_ends,
-    project,
 )
 from localchat.engine.models.recurrent import state_bytes as layout_bytes
 from localchat.engine.models.rwkv4_weights import hf_params
@@ -217,8 +213,9 @@ class Block(nn.Module):
         return x + out, state
 
 
-class Rwkv4ForCausalLM(nn.Module):
-    """The exported model: embed, (batch_)prefill, (batch_)decode and the RNN-state constructor."""
+class Rwkv4ForCausalLM(RecurrentLM):
+    """The exported model (`recurrent.RecurrentLM`: embed, (batch_)prefill, (batch_)decode, the
+    RNN-state constructor, the debug prefill) over these blocks."""
 
     def __init__(self, cfg: Rwkv4Config, mode: QuantMode, target: Target) -> None:
         ctx = BuildContext(mode, target)
@@ -231,17 +228,6 @@ class Rwkv4ForCausalLM(nn.Module):
         self.ln_out = nn.LayerNorm(h, cfg.layer_norm_epsilon, dtype=mode.dtype)
         self.head = Linear(h, cfg.vocab_size, False, ctx, head=True)
 
-    def _forward(self, x: nn.Tensor, ends: nn.Tensor, state: RnnState, gemv: bool = False):
-        """x [n, h] holding B sequences ending at `ends` -> logits [B, vocab] (float32).
-        `gemv`: one token per sequence (decode), so Linears run as matrix-vector products."""
-        seg = Segments.of(x, ends, gemv)
-        x, state = self._blocks(x, seg, state)
-        # the head always sees one row per sequence
-        logits = project(self.head, self.ln_out(seg.last_rows(x)), True)
-        if logits.dtype != "float32":
-            logits = logits.astype("float32")
-        return logits, state
-
     def _blocks(self, x: nn.Tensor, seg: Segments, state: RnnState):
         every = self.cfg.rescale_every
         for i, block in enumerate(self.blocks):
@@ -252,49 +238,8 @@ class Rwkv4ForCausalLM(nn.Module):
                 x = x / 2.0
         return x, state
 
-    def debug_prefill(self, input_embed: nn.Tensor, rnn_state: RnnState):
-        """A debug build's prefill: logits at every position, then every probe (`probes`)."""
-        with probes.recording() as rec:
-            seg = Segments.of(input_embed, prefill_ends(input_embed))
-            x, state = self._blocks(input_embed, seg, rnn_state)
-        self.debug_probes = rec.names()
-        logits = project(self.head, self.ln_out(x), False)
-        if logits.dtype != "float32":
-            logits = logits.astype("float32")
-        return (logits, *rec.outputs()), state
-
-    def get_debug_spec(self) -> nn.spec.ModuleSpec:
-        return probes.debug_spec(self, hidden_size=self.cfg.hidden_size, dtype=self.mode.dtype,
-                                 state="rnn", state_type=RnnState)
-
-    def embed(self, input_ids: nn.Tensor) -> nn.Tensor:
-        return self.embeddings(input_ids)
-
-    def prefill(self, input_embed: nn.Tensor, rnn_state: RnnState):
-        logits, state = self._forward(input_embed, prefill_ends(input_embed), rnn_state)
-        return op.reshape(logits, (1, 1, self.cfg.vocab_size)), state
-
-    def decode(self, input_embed: nn.Tensor, rnn_state: RnnState):
-        ends = decode_ends(input_embed)
-        logits, state = self._forward(input_embed, ends, rnn_state, gemv=True)
-        return op.reshape(logits, (1, 1, self.cfg.vocab_size)), state
-
-    def batch_prefill(self, input_embeds: nn.Tensor, logit_positions: nn.Tensor, rnn_state):
-        return self._forward(input_embeds, logit_positions, rnn_state)
-
-    def batch_decode(self, input_embeds: nn.Tensor, rnn_state: RnnState):
-        ends = decode_ends(input_embeds)
-        return self._forward(input_embeds, ends, rnn_state, gemv=True)
-
-    def create_rnn_state(self, max_batch_size: tirx.Var, max_history: tirx.Var) -> RnnState:
-        layout = state_layout(self.cfg, self.mode.dtype)
-        gpu = self.target.kind.name != "llvm"
-        return RnnState.create(max_batch_size, max_history, self.cfg.num_hidden_layers, layout,
-                               gpu)
-
-    def get_default_spec(self) -> nn.spec.ModuleSpec:
-        return model_spec(self, hidden_size=self.cfg.hidden_size, dtype=self.mode.dtype,
-                          state="rnn", state_type=RnnState)
+    def state_layout(self) -> tuple[StateTensor, ...]:
+        return state_layout(self.cfg, self.mode.dtype)
 
 
 def architecture(name: str) -> Architecture:

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from tvm import tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 from tvm.target import Target
@@ -41,15 +40,12 @@ from tvm.target import Target
 from localchat.engine.build.quantization import QuantMode
 from localchat.engine.kernels import wkv7
 from localchat.engine.models import Architecture, probes
-from localchat.engine.models.export import model_spec
 from localchat.engine.models.layers import BuildContext, Embedding, Linear
 from localchat.engine.models.recurrent import (
+    RecurrentLM,
     RnnState,
     Segments,
     StateTensor,
-    decode_ends,
-    prefill_ends,
-    project,
 )
 from localchat.engine.models.recurrent import state_bytes as layout_bytes
 from localchat.errors import ModelConfigError
@@ -267,8 +263,9 @@ class Block(nn.Module):
         return x + out, state, v_first
 
 
-class Rwkv7ForCausalLM(nn.Module):
-    """The exported model: embed, (batch_)prefill, (batch_)decode and the RNN-state constructor."""
+class Rwkv7ForCausalLM(RecurrentLM):
+    """The exported model (`recurrent.RecurrentLM`: embed, (batch_)prefill, (batch_)decode, the
+    RNN-state constructor, the debug prefill) over these blocks."""
 
     def __init__(self, cfg: Rwkv7Config, mode: QuantMode, target: Target) -> None:
         ctx = BuildContext(mode, target)
@@ -289,57 +286,8 @@ class Rwkv7ForCausalLM(nn.Module):
                 probes.probe_layer(x)
         return x, state
 
-    def _forward(self, x: nn.Tensor, ends: nn.Tensor, state: RnnState, gemv: bool = False):
-        """x [n, C] holding B sequences ending at `ends` -> logits [B, vocab] (float32).
-        `gemv`: one token per sequence (decode), so Linears run as matrix-vector products."""
-        seg = Segments.of(x, ends, gemv)
-        x, state = self._blocks(x, seg, state)
-        logits = project(self.head, self.ln_out(seg.last_rows(x)), True)
-        if logits.dtype != "float32":
-            logits = logits.astype("float32")
-        return logits, state
-
-    def debug_prefill(self, input_embed: nn.Tensor, rnn_state: RnnState):
-        """A debug build's prefill: logits at every position, then every probe (`probes`)."""
-        with probes.recording() as rec:
-            seg = Segments.of(input_embed, prefill_ends(input_embed))
-            x, state = self._blocks(input_embed, seg, rnn_state)
-        self.debug_probes = rec.names()
-        logits = project(self.head, self.ln_out(x), False)
-        if logits.dtype != "float32":
-            logits = logits.astype("float32")
-        return (logits, *rec.outputs()), state
-
-    def get_debug_spec(self) -> nn.spec.ModuleSpec:
-        return probes.debug_spec(self, hidden_size=self.cfg.hidden_size, dtype=self.mode.dtype,
-                                 state="rnn", state_type=RnnState)
-
-    def embed(self, input_ids: nn.Tensor) -> nn.Tensor:
-        return self.embeddings(input_ids)
-
-    def prefill(self, input_embed: nn.Tensor, rnn_state: RnnState):
-        logits, state = self._forward(input_embed, prefill_ends(input_embed), rnn_state)
-        return op.reshape(logits, (1, 1, self.cfg.vocab_size)), state
-
-    def decode(self, input_embed: nn.Tensor, rnn_state: RnnState):
-        logits, state = self._forward(input_embed, decode_ends(input_embed), rnn_state, True)
-        return op.reshape(logits, (1, 1, self.cfg.vocab_size)), state
-
-    def batch_prefill(self, input_embeds: nn.Tensor, logit_positions: nn.Tensor, rnn_state):
-        return self._forward(input_embeds, logit_positions, rnn_state)
-
-    def batch_decode(self, input_embeds: nn.Tensor, rnn_state: RnnState):
-        return self._forward(input_embeds, decode_ends(input_embeds), rnn_state, True)
-
-    def create_rnn_state(self, max_batch_size: tirx.Var, max_history: tirx.Var) -> RnnState:
-        layout = state_layout(self.cfg, self.mode.dtype)
-        gpu = self.target.kind.name != "llvm"
-        return RnnState.create(max_batch_size, max_history, self.cfg.num_hidden_layers, layout,
-                               gpu)
-
-    def get_default_spec(self) -> nn.spec.ModuleSpec:
-        return model_spec(self, hidden_size=self.cfg.hidden_size, dtype=self.mode.dtype,
-                          state="rnn", state_type=RnnState)
+    def state_layout(self) -> tuple[StateTensor, ...]:
+        return state_layout(self.cfg, self.mode.dtype)
 
 
 # ------------------------------------------------------------------------------------------------
