@@ -18,6 +18,7 @@ from localchat.server.config import DEFAULT_PORT
 from fixtures import converted, smollm2_hf_dir
 
 MODEL = "smollm2"
+KEYED_SERVER_KEY = "sk-keyed-server-test"  # the API key of the `keyed_server` fixture
 MODEL_REF = "smollm2:q0f32"
 START_TIMEOUT_S = 900  # the first run compiles the model's library
 MAX_BODY = 100_000

@@ -5,19 +5,17 @@ multi-turn with previous_response_id, the store, and errors."""
 from __future__ import annotations
 
 import json
-import shutil
-from collections.abc import Iterator
 
 import httpx
 import jsonschema
 import openai
 import pytest
-from serve_helpers import MODEL, MODEL_REF, Server, make_home, start_server, stop_server
-from test_server_structured import TOOL_MODEL, WEATHER, tool_model_dir
+from serve_helpers import KEYED_SERVER_KEY, MODEL, MODEL_REF, Server
+from test_server_structured import TOOL_MODEL, WEATHER
 
 from localchat.server.responses_api import ResponseStore
 
-KEY = "sk-responses-test"
+KEY = KEYED_SERVER_KEY
 QUESTION = "Name three colours."
 FLAG = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
         "additionalProperties": False}
@@ -27,16 +25,8 @@ WEATHER_TOOL = {"type": "function", "name": FN["name"], "description": FN["descr
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """SmolLM2 under its own template and under a tool-capable one, behind an API key."""
-    home = make_home(tmp_path_factory.mktemp("responses"))
-    tool_model_dir(home)
-    log = tmp_path_factory.mktemp("responses-log") / "server.log"
-    server = start_server(home, log, "--model", MODEL, "--model", TOOL_MODEL, "--max-models",
-                          "2", "--api-key", KEY)
-    yield server
-    stop_server(server)
-    shutil.rmtree(home / "models" / TOOL_MODEL, ignore_errors=True)
+def srv(keyed_server: Server) -> Server:
+    return keyed_server  # shared with the other keyed tests (tests/server/conftest.py)
 
 
 @pytest.fixture(scope="module")
