@@ -22,3 +22,42 @@ def run_teacher_forced(model: Model, prompt: list[int], tokens: list[int]) -> li
         return logits
     finally:
         model.remove(seq)
+
+
+def run_greedy(model: Model, prompt: list[int], steps: int) -> list[int]:
+    """Our greedy continuation of `prompt`, `steps` tokens."""
+    seq = model.new_sequence()
+    try:
+        tok = int(np.argmax(model.prefill(seq, prompt)))
+        out = [tok]
+        for _ in range(steps - 1):
+            tok = int(np.argmax(model.decode([seq], [tok])[0]))
+            out.append(tok)
+        return out
+    finally:
+        model.remove(seq)
+
+
+def batched_and_alone(model: Model, prompts: list[list[int]],
+                      steps: int = 6) -> list[tuple[list[np.ndarray], list[np.ndarray]]]:
+    """Per prompt, the logits of a greedy run batched with the others (one batch_prefill, then
+    batched decodes) and of the same run alone."""
+
+    def alone(prompt: list[int]) -> list[np.ndarray]:
+        seq = model.new_sequence()
+        logits = [model.prefill(seq, prompt)]
+        for _ in range(steps):
+            logits.append(model.decode([seq], [int(np.argmax(logits[-1]))])[0])
+        model.remove(seq)
+        return logits
+
+    seqs = [model.new_sequence() for _ in prompts]
+    first = model.batch_prefill(seqs, prompts)
+    together = [[row] for row in first]
+    for _ in range(steps):
+        logits = model.decode(seqs, [int(np.argmax(t[-1])) for t in together])
+        for t, row in zip(together, logits):
+            t.append(row)
+    for seq in seqs:
+        model.remove(seq)
+    return list(zip(together, [alone(p) for p in prompts]))

@@ -20,26 +20,13 @@ from localchat.engine.runtime import Model
 from localchat.errors import UnsupportedModelError
 
 from fixtures import cache_dir, converted, rwkv_package_dir
-from model_oracle import rel_err, run_teacher_forced
+from model_oracle import batched_and_alone, rel_err, run_greedy, run_teacher_forced
 from rwkv7_variants import BASE, build_variant, reference_greedy
 
 PROMPT = [int(t) for t in np.random.RandomState(7).randint(0, BASE["vocab_size"], 24)]
 STEPS = 24
 ENGLISH = "The quick brown fox jumps over the lazy dog, and then it"
 MIXED = "Hello 世界! Привет, мир. こんにちは 🌍 — café"
-
-
-def run_greedy(model: Model, prompt: list[int], steps: int) -> list[int]:
-    seq = model.new_sequence()
-    try:
-        tok = int(np.argmax(model.prefill(seq, prompt)))
-        out = [tok]
-        for _ in range(steps - 1):
-            tok = int(np.argmax(model.decode([seq], [tok])[0]))
-            out.append(tok)
-        return out
-    finally:
-        model.remove(seq)
 
 
 def source_folder(variant: str) -> Path:
@@ -144,27 +131,7 @@ def test_chunked_prefill_equals_token_by_token(model: Model) -> None:
 
 
 def test_batch_equals_each_alone(model: Model) -> None:
-    a_prompt, b_prompt = PROMPT[:9], PROMPT[4:]
-
-    def alone(prompt: list[int]) -> list[np.ndarray]:
-        seq = model.new_sequence()
-        logits = [model.prefill(seq, prompt)]
-        for _ in range(6):
-            logits.append(model.decode([seq], [int(np.argmax(logits[-1]))])[0])
-        model.remove(seq)
-        return logits
-
-    a, b = model.new_sequence(), model.new_sequence()
-    first = model.batch_prefill([a, b], [a_prompt, b_prompt])
-    together = [[first[0]], [first[1]]]
-    for _ in range(6):
-        toks = [int(np.argmax(together[0][-1])), int(np.argmax(together[1][-1]))]
-        logits = model.decode([a, b], toks)
-        together[0].append(logits[0])
-        together[1].append(logits[1])
-    model.remove(a)
-    model.remove(b)
-    for got, want in zip(together, [alone(a_prompt), alone(b_prompt)]):
+    for got, want in batched_and_alone(model, [PROMPT[:9], PROMPT[4:]]):
         assert max(rel_err(g, w) for g, w in zip(got, want)) <= 1e-5
 
 
