@@ -131,6 +131,33 @@ def export_module(arch: Architecture, config: Any, mode: QuantMode, target: Targ
     return mod, [name for name, _ in named_params]
 
 
+def write_library(export: Callable[[], tvm.IRModule], target: Target, path: Path) -> None:
+    """Compile the module `export()` returns for `target` and write the library to `path`
+    atomically (a temporary file renamed into place); CompileError on any failure, the export's
+    included."""
+    folder = path.parent
+    try:
+        with quiet_native_output():
+            mod = export()
+            executable = tvm.compile(mod, target=target, relax_pipeline=relax_pipeline(target))
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".build-", suffix=path.suffix)
+        os.close(fd)
+        try:
+            with quiet_native_output():
+                executable.export_library(tmp)
+            os.chmod(tmp, md.FILE_MODE)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except OSError as exc:
+        raise CompileError(f"could not write the compiled library to {folder}: {exc}") from None
+    except Exception as exc:  # TVM raises its own error types from C++
+        first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        raise CompileError(f"compiling for {target_key(target)} failed: {first}") from exc
+
+
 def relax_pipeline(target: Target) -> tvm.transform.Pass:
     """Our Relax pipeline: TVM's default for the target kind; GPUs get dlight rules from it.
 
@@ -189,27 +216,8 @@ def compile_library(
     if log:
         log(f"compiling {arch.name} ({mode.name}) for {target_key(target)}; the first compile "
             f"of a model takes about a minute")
-    try:
-        with quiet_native_output():
-            mod, _ = export_module(arch, config, mode, target)
-            executable = tvm.compile(mod, target=target, relax_pipeline=relax_pipeline(target))
-        lib_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=lib_dir, prefix=".build-", suffix=".so")
-        os.close(fd)
-        try:
-            with quiet_native_output():
-                executable.export_library(tmp)
-            os.chmod(tmp, md.FILE_MODE)
-            os.replace(tmp, path)
-            md.write_library_record(path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    except OSError as exc:
-        raise CompileError(f"could not write the compiled library to {lib_dir}: {exc}") from None
-    except Exception as exc:  # TVM raises its own error types from C++
-        first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        raise CompileError(f"compiling for {target_key(target)} failed: {first}") from exc
+    write_library(lambda: export_module(arch, config, mode, target)[0], target, path)
+    md.write_library_record(path)
     seconds = time.perf_counter() - start
     if log:
         log(f"compiled {path.name} in {seconds:.1f} s")

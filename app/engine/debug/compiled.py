@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from localchat import model_dir as md
-from localchat.errors import CompileError, InvalidRequestError
+from localchat.errors import InvalidRequestError
 
 Log = Callable[[str], None]
 DEBUG_DIR = "debug"  # under the library cache
@@ -52,14 +50,8 @@ def _debug_library(model_dir: Path, meta: dict[str, Any], target: Any,
                    log: Log | None) -> tuple[Path, list[dict[str, Any]]]:
     """The debug library of this model for `target` and its probes' names (compiled on first
     use; cached beside the normal libraries under debug/)."""
-    import tvm
 
-    from localchat.engine.build.compile import (
-        library_key,
-        quiet_native_output,
-        relax_pipeline,
-        target_key,
-    )
+    from localchat.engine.build.compile import library_key, target_key, write_library
     from localchat.engine.build.quantization import get_quant_mode
     from localchat.engine.models import get_architecture
 
@@ -80,25 +72,7 @@ def _debug_library(model_dir: Path, meta: dict[str, Any], target: Any,
         log(f"compiling a debug build of {arch.name} ({mode.name}) for {target_key(target)}: "
             f"once per model shape, about as long as its first compile")
     start = time.perf_counter()
-    try:
-        with quiet_native_output():
-            mod, _ = model.export_tvm(spec=model.get_debug_spec())
-            executable = tvm.compile(mod, target=target, relax_pipeline=relax_pipeline(target))
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".build-", suffix=md.LIBRARY_SUFFIX)
-        os.close(fd)
-        try:
-            with quiet_native_output():
-                executable.export_library(tmp)
-            os.replace(tmp, lib)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    except OSError as exc:
-        raise CompileError(f"could not write the debug library to {folder}: {exc}") from None
-    except Exception as exc:  # TVM's own errors from C++
-        first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        raise CompileError(f"compiling the debug build failed: {first}") from exc
+    write_library(lambda: model.export_tvm(spec=model.get_debug_spec())[0], target, lib)
     names = model.debug_probes
     names_file.write_text(json.dumps(names))
     if log:
