@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
 
 from localchat.cli.common import log, open_store
 from localchat.errors import InvalidRequestError
@@ -34,28 +33,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=cmd_debug)
 
 
-def own_source(meta: dict[str, Any]) -> Path | None:
-    """Where the source a model was converted from still lies on disk (a folder, or a file),
-    or None."""
-    source = meta.get("source") or {}
-    kind = source.get("kind")
-    candidates: list[Path] = []
-    if kind in ("folder", "file", None) and source.get("path"):
-        candidates.append(Path(source["path"]))
-    elif kind in ("hub", "offline"):
-        from localchat.store import Store, safe_name
-
-        downloads = Store().downloads_dir
-        if kind == "hub" and source.get("repo") and source.get("commit"):
-            candidates.append(downloads / safe_name(source["repo"]) / source["commit"])
-        elif kind == "offline" and source.get("file"):
-            candidates.append(downloads / "offline" / source["file"])
-    for path in candidates:
-        if (path / "config.json").is_file() or (path.is_file() and path.suffix == ".gguf"):
-            return path
-    return None
-
-
 def cmd_debug(args: argparse.Namespace) -> int:
     from localchat import model_dir as md
     from localchat.engine import DEBUG_PROMPT, debug_model
@@ -63,7 +40,12 @@ def cmd_debug(args: argparse.Namespace) -> int:
     path = Path(args.model).expanduser()
     model_dir = path if md.is_model_dir(path) else open_store().resolve(args.model)
     meta = md.load_config(model_dir)
-    reference = Path(args.reference).expanduser() if args.reference else own_source(meta)
+    if args.reference:
+        reference: Path | None = Path(args.reference).expanduser()
+    else:
+        from localchat.downloader import source_on_disk
+
+        reference = source_on_disk(open_store(), meta.get("source") or {})
     if reference is None:
         raise InvalidRequestError(
             f"{args.model}: its source is no longer on disk; pass --reference with an HF model "

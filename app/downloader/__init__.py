@@ -7,7 +7,8 @@ from `localchat.downloader`, never from a module under it:
 - pulling (`downloader/pull.py`): `pull` (a name, hub repo or local source -> a model in the
   store, with its `PullResult`), `parse_source` (what a name refers to; an unknown one fails
   here, before any engine work), `engine_hooks` (the engine's build steps for a device, as
-  `pull` calls them: an `EngineHooks`);
+  `pull` calls them: an `EngineHooks`), `source_on_disk` (a model's source while the download
+  cache still has it);
 - progress (`downloader/progress.py`): `DownloadProgress` (the protocol `pull` reports to),
   `NullProgress` (reports nothing), `RichProgress` (progress bars on a terminal);
 - gated repos (`downloader/gated.py`): `pull_with_token_prompt` (a pull that, refused by a
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
         engine_hooks,
         parse_source,
         pull,
+        source_on_disk,
     )
     from localchat.downloader.space import free_bytes, human_size
 
@@ -52,6 +54,7 @@ _LAZY = {
     "engine_hooks": "localchat.downloader.pull",
     "parse_source": "localchat.downloader.pull",
     "pull": "localchat.downloader.pull",
+    "source_on_disk": "localchat.downloader.pull",
     "pull_with_token_prompt": "localchat.downloader.gated",
     "DownloadProgress": "localchat.downloader.progress",
     "NullProgress": "localchat.downloader.progress",
@@ -78,6 +81,7 @@ __all__ = [
     "hub_offline",
     "human_size",
     "parse_source",
+    "source_on_disk",
     "pull",
     "pull_with_token_prompt",
 ]

@@ -87,6 +87,34 @@ class ConvertFn(Protocol):
                  source_info: dict[str, Any] | None = None) -> Any: ...
 
 
+
+def download_dir(store: Store, repo_id: str, commit: str) -> Path:
+    """Where a pull keeps the files of `repo_id` at `commit` (the download cache)."""
+    return store.downloads_dir / safe_name(repo_id) / commit
+
+
+def offline_dir(store: Store) -> Path:
+    """Where a pull keeps the model files of offline (PyPI wheel) sources."""
+    return store.downloads_dir / "offline"
+
+
+def source_on_disk(store: Store, source: dict[str, Any]) -> Path | None:
+    """The source a model was converted from (its config's `source`), while it is still on
+    disk: an HF folder or a model file; None when it is gone."""
+    kind, path = source.get("kind"), None
+    if kind in ("folder", "file", None) and source.get("path"):
+        path = Path(source["path"])
+    elif kind == "hub" and source.get("repo") and source.get("commit"):
+        path = download_dir(store, source["repo"], source["commit"])
+        if source.get("file"):  # a recipe's single checkpoint file of the repo
+            path = path / source["file"]
+    elif kind == "offline" and source.get("file"):
+        path = offline_dir(store) / source["file"]
+    if path is not None and ((path / "config.json").is_file()
+                             or (path.is_file() and path.suffix in (".gguf", ".pth"))):
+        return path
+    return None
+
 @dataclass
 class EngineHooks:
     """The engine steps a pull needs, and the device they build for."""
@@ -281,7 +309,7 @@ class _Puller:
                         is_singleton=True)
 
     def _download_dir(self, snapshot: RepoSnapshot) -> Path:
-        return self.store.downloads_dir / safe_name(snapshot.repo_id) / snapshot.commit
+        return download_dir(self.store, snapshot.repo_id, snapshot.commit)
 
     def _missing_bytes(self, snapshot: RepoSnapshot, paths: list[str], dest: Path) -> int:
         total = 0
@@ -570,7 +598,7 @@ class _Puller:
         errors = [str(cause)]
         for source in self.recipe.offline:
             try:
-                path = fetch_offline_source(source, self.store.downloads_dir / "offline",
+                path = fetch_offline_source(source, offline_dir(self.store),
                                             self.log, self.progress)
             except NetworkError as exc:
                 errors.append(str(exc))
