@@ -209,3 +209,13 @@ def test_warm_up_builds_the_matcher_before_the_first_encode(vocab_path: Path) ->
     fresh.warm_up()
     assert fresh._pattern is not None
     assert fresh.encode("Hello") == WorldTokenizer(vocab_path).encode("Hello")
+
+
+def test_world_vocabulary_ships_with_the_install(tmp_path: Path, vocab_path: Path) -> None:
+    """A lone .pth needs no vocabulary beside it and no network: the installed `rwkv` package
+    (a dependency) carries the file, byte for byte the reference's."""
+    from localchat.engine.models.rwkv7_pth import world_vocab
+
+    found = world_vocab(tmp_path / "RWKV-x070-World-0.1B.pth")
+    assert found.is_file() and "site-packages" in str(found)
+    assert found.read_bytes() == vocab_path.read_bytes()

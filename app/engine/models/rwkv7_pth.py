@@ -100,8 +100,10 @@ def _cache_dir() -> Path:
 
 
 def world_vocab(pth: Path) -> Path:
-    """The World vocabulary file: beside `pth`, else the `rwkv` package's, else localchat's
-    cached copy (unpacked from the `rwkv` wheel, downloaded with pip on first use)."""
+    """The World vocabulary file: beside `pth`, else the installed `rwkv` package's (a
+    dependency of localchat, so this is where it comes from offline), else localchat's cached
+    copy (unpacked from the `rwkv` wheel, downloaded with pip once, for an install without
+    dependencies)."""
     beside = Path(pth).parent / WORLD_VOCAB_FILE
     if beside.is_file():
         return beside
