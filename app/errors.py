@@ -91,6 +91,20 @@ class ModelFailureError(GenerationError):
     code = "model_failure"
 
 
+class InsufficientMemoryError(LocalchatError):
+    """A model whose weights and cache need more memory than this machine has free: refused
+    before loading, with both sizes in the message (`needed_bytes`, `available_bytes`)."""
+
+    http_status = 507
+    error_type = "server_error"
+    code = "insufficient_memory"
+
+    def __init__(self, message: str, *, needed_bytes: int = 0, available_bytes: int = 0) -> None:
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+        self.available_bytes = available_bytes
+
+
 class RecipeError(LocalchatError):
     """A recipe or prebuilt-index file is malformed or fails its schema."""
 

@@ -31,6 +31,7 @@ from localchat.downloader.offline import fetch_offline_source
 from localchat.downloader.progress import DownloadProgress, NullProgress
 from localchat.downloader.space import check_free_space, human_size
 from localchat.engine import build
+from localchat.engine.memory import check_machine_holds
 from localchat.errors import (
     IntegrityError,
     LocalchatError,
@@ -365,6 +366,19 @@ class _Puller:
         )
 
     # the pull --------------------------------------------------------------------------------
+    def _check_memory(self) -> None:
+        """Refuse, before downloading, a recipe whose weights exceed this machine's memory (on
+        the CPU, where weights live in RAM): its size in the store at the recipe's default
+        quantization, else estimated from the source's size."""
+        recipe = self.recipe
+        if self.source.kind != "recipe" or self.hooks.device_kind != "cpu":
+            return
+        if self.quantization == recipe.default_quantization("cpu") and recipe.disk_mb:
+            weights = recipe.disk_mb * 1_000_000
+        else:
+            weights = _estimate_model_bytes(recipe.download_mb * 1_000_000, self.quantization)
+        check_machine_holds(f"{self.name}:{self.quantization}", weights)
+
     def run(self) -> PullResult:
         ref = f"{self.name}:{self.quantization}"
         with self.store.lock(self.name, self.quantization, on_wait=lambda: self.log(
@@ -388,6 +402,7 @@ class _Puller:
         if self.source.kind == "local":
             assert self.source.path is not None
             return self._pull_local(self.source.path)
+        self._check_memory()
         prebuilt = PrebuiltMatch()
         if self.source.kind == "recipe":  # the index only knows recipes by name
             target = self.hooks.target_key if self.hooks.compile is not None else None

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from localchat.errors import DiskSpaceError
+from localchat.units import human_size
 
 RESERVE_ENV = "LOCALCHAT_DISK_RESERVE"
 DEFAULT_RESERVE = 512 * 1024 * 1024
@@ -32,16 +33,6 @@ def default_reserve() -> int:
         return int(value) if value else DEFAULT_RESERVE
     except ValueError:
         return DEFAULT_RESERVE
-
-
-def human_size(nbytes: float) -> str:
-    """1.2 GB, 340.0 MB, 512 B."""
-    size = float(nbytes)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(size) < 1000 or unit == "TB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1000
-    return f"{nbytes} B"
 
 
 def check_free_space(needs: Mapping[Path, int], reserve_bytes: int | None = None) -> None:

@@ -24,6 +24,7 @@ from localchat import model_dir as md
 from localchat.engine.build.compile import CompiledLibrary, model_library, quiet_native_output
 from localchat.engine.build.quantization import get_quant_mode
 from localchat.engine.device import Device, select_device
+from localchat.engine.memory import check_fits, weight_bytes_on_disk
 from localchat.engine.models import get_architecture
 from localchat.engine.threads import ensure_threads
 from localchat.engine.tokenizer import Tokenizer, load_tokenizer
@@ -104,6 +105,8 @@ class Model:
         self.max_batch_size = max_batch_size
         self.max_total_tokens = int(max_total_tokens or self.context_window_size)
         self.eos_token_ids: list[int] = list(self.meta.get("eos_token_ids") or [])
+        if self.device.kind == "cpu":  # refused before compiling or loading anything
+            check_fits(model_dir.name, weight_bytes_on_disk(model_dir), self.kv_cache_bytes())
 
         t0 = time.perf_counter()
         self.library: CompiledLibrary = model_library(
