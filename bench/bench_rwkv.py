@@ -1,9 +1,10 @@
 """RWKV-4 World 3B shape (hidden 2560, 32 layers, vocab 65 536) or, with `--arch rwkv7`, the
-RWKV-7 World 2.9B shape (hidden 2560, 40 heads of 64, 32 layers, LoRA ranks 96/96/64/320) with
-random weights on this CPU: decode tok/s, prefill tok/s, peak RSS, and decode as a fraction of
-the memory roofline.
+RWKV-7 World 2.9B shape (hidden 2560, 40 heads of 64, 32 layers, LoRA ranks 96/96/64/320), or
+with `--arch rwkv6` the RWKV-6 World 3B shape (hidden 2560, 40 heads of 64, 32 layers, FFN 8960,
+mix/decay LoRA ranks 32/64) with random weights on this CPU: decode tok/s, prefill tok/s, peak
+RSS, and decode as a fraction of the memory roofline.
 
-    python bench/bench_rwkv.py [--arch rwkv4|rwkv7] [--quant q4f32_1 q0f32] [--layers 32]
+    python bench/bench_rwkv.py [--arch rwkv4|rwkv6|rwkv7] [--quant q4f32_1 q0f32] [--layers 32]
                                [--prompt 512] [--decode 32] [--chunks 64,128,256,512]
 
 No checkpoint is written: the library is compiled (cached under the user cache dir, in a child
@@ -62,6 +63,15 @@ WORLD_2B9_V7 = {
     "v_low_rank_dim": 64,
     "gate_low_rank_dim": 320,
 }
+WORLD_3B_V6 = {
+    "hidden_size": 2560,
+    "head_size": 64,
+    "intermediate_size": 8960,
+    "num_hidden_layers": 32,
+    "vocab_size": 65536,
+    "mix_low_rank_dim": 32,
+    "decay_low_rank_dim": 64,
+}
 ARCH = "rwkv4"  # --arch: which shape (set in main and in the child processes)
 
 
@@ -83,6 +93,11 @@ def lib_dir() -> Path:
 
 
 def make_config(layers: int, chunk: int):
+    if ARCH == "rwkv6":
+        from localchat.engine.models.rwkv6 import Rwkv6Config
+
+        return Rwkv6Config(**{**WORLD_3B_V6, "num_hidden_layers": layers},
+                           prefill_chunk_size=chunk)
     if ARCH == "rwkv7":
         from localchat.engine.models.rwkv7 import Rwkv7Config
 
@@ -166,8 +181,10 @@ def random_params(model, dev, seed: int = 0) -> tuple[list, int, int]:
             value = -np.exp(rng.standard_normal(shape, dtype=np.float32))
         elif name.endswith(".w0"):  # RWKV-7 decay pre-activation: slow to fast channels
             value = rng.uniform(-7, 0, size=shape).astype(dtype)
-        elif "time_mix" in name or name.rsplit(".", 1)[-1] in ("x_r", "x_w", "x_k", "x_v",
-                                                               "x_a", "x_g"):
+        elif name.endswith("att.decay"):  # RWKV-6 decay pre-activation: slow to fast channels
+            value = rng.uniform(-6, 0.5, size=shape).astype(dtype)
+        elif "time_mix" in name or (".maa_" in name and not name.endswith(".weight")) or \
+                name.rsplit(".", 1)[-1] in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g"):
             value = rng.random(shape, dtype=np.float32).astype(dtype)
         elif name.split(".")[-2].startswith("ln") if "." in name else False:
             value = np.ones(shape, dtype) if name.endswith("weight") else np.zeros(shape, dtype)
@@ -323,8 +340,9 @@ def _spread(rates: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--arch", choices=("rwkv4", "rwkv7"), default="rwkv4",
-                        help="rwkv4: the RWKV-4 World 3B shape; rwkv7: RWKV-7 World 2.9B")
+    parser.add_argument("--arch", choices=("rwkv4", "rwkv6", "rwkv7"), default="rwkv4",
+                        help="rwkv4: the RWKV-4 World 3B shape; rwkv6: RWKV-6 World 3B; "
+                        "rwkv7: RWKV-7 World 2.9B")
     parser.add_argument("--quant", nargs="+", default=["q4f32_1", "q0f32"])
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--prompt", type=int, default=512)

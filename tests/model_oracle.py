@@ -61,3 +61,29 @@ def batched_and_alone(model: Model, prompts: list[list[int]],
     for seq in seqs:
         model.remove(seq)
     return list(zip(together, [alone(p) for p in prompts]))
+
+
+def cuda_sources(hf_folder, quant: str = "q4f16_1") -> list[str]:
+    """The CUDA source of the model in `hf_folder` built for sm_80 through localchat's own GPU
+    pipeline (`compile.relax_pipeline`), without linking a library: what the GPU-path tests
+    read when no GPU is lent."""
+    import tvm
+
+    from localchat.engine.build.compile import export_module, relax_pipeline
+    from localchat.engine.build.convert import read_hf_config
+    from localchat.engine.build.quantization import get_quant_mode
+    from localchat.engine.device import cuda_target
+    from localchat.engine.models import detect_architecture
+
+    hf = read_hf_config(hf_folder)
+    arch = detect_architecture(hf)
+    target = cuda_target("sm_80")
+    mod, _ = export_module(arch, arch.config_from_hf(hf), get_quant_mode(quant), target)
+    ex = tvm.compile(mod, target=target, relax_pipeline=relax_pipeline(target))
+
+    def modules(m):
+        yield m
+        for child in m.imports:
+            yield from modules(child)
+
+    return [m.inspect_source() for m in modules(ex.mod) if m.kind == "cuda"]

@@ -20,7 +20,13 @@ from localchat.engine.runtime import Model
 
 from fixtures import cache_dir, rwkv_package_dir
 from fixtures import converted as _converted
-from model_oracle import batched_and_alone, rel_err, run_greedy, run_teacher_forced
+from model_oracle import (
+    batched_and_alone,
+    cuda_sources,
+    rel_err,
+    run_greedy,
+    run_teacher_forced,
+)
 from rwkv_variants import BASE, build_variant
 
 PROMPT = [int(t) for t in np.random.RandomState(7).randint(0, BASE["vocab_size"], 24)]
@@ -329,47 +335,8 @@ def test_multi_turn_feeds_only_the_new_turn(world_engine) -> None:
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_cuda_kernels_build() -> None:
     """The GPU variants of the scan and RNN-state kernels (one thread per channel / element)
-    build for CUDA. Linears are scheduled with dlight's GEMV/fallback rules here: TVM 0.27's
-    gpu.Matmul rule segfaults while tensorizing matmuls with k >= 128 (any real model, Llama
-    included), which the default CUDA pipeline of compile.py still applies."""
-    import tvm
-    from tvm.relax.backend import gpu_generic
-    from tvm.s_tir import dlight as dl
-
-    from localchat.engine.build.compile import export_module
-    from localchat.engine.build.convert import read_hf_config
-    from localchat.engine.build.quantization import get_quant_mode
-    from localchat.engine.device import cuda_target
-    from localchat.engine.models import detect_architecture
-
-    hf = read_hf_config(build_variant("rwkv4"))
-    arch = detect_architecture(hf)
-    target = cuda_target("sm_80")
-    rules = dl.ApplyDefaultSchedule(
-        dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()
-    )
-    passes = (
-        gpu_generic.library_dispatch_passes(target)
-        + gpu_generic.legalize_passes(target)[:-1]
-        + [rules]
-        + gpu_generic.dataflow_lower_passes(target)
-        + gpu_generic.finalize_passes(target)
-    )
-
-    @tvm.transform.module_pass(opt_level=0)
-    def pipeline(mod, _ctx):
-        with target:
-            return tvm.transform.Sequential(passes)(mod)
-
-    mod, _ = export_module(arch, arch.config_from_hf(hf), get_quant_mode("q4f16_1"), target)
-    ex = tvm.compile(mod, target=target, relax_pipeline=pipeline)
-
-    def modules(m):
-        yield m
-        for child in m.imports:
-            yield from modules(child)
-
-    sources = [m.inspect_source() for m in modules(ex.mod) if m.kind == "cuda"]
+    build for CUDA through compile.py's GPU pipeline."""
+    sources = cuda_sources(build_variant("rwkv4"))
     assert sources and "wkv_scan" in sources[0]
 
 

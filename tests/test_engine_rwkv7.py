@@ -20,7 +20,13 @@ from localchat.engine.runtime import Model
 from localchat.errors import UnsupportedModelError
 
 from fixtures import cache_dir, converted, rwkv_package_dir
-from model_oracle import batched_and_alone, rel_err, run_greedy, run_teacher_forced
+from model_oracle import (
+    batched_and_alone,
+    cuda_sources,
+    rel_err,
+    run_greedy,
+    run_teacher_forced,
+)
 from rwkv7_variants import BASE, build_variant, reference_greedy
 
 PROMPT = [int(t) for t in np.random.RandomState(7).randint(0, BASE["vocab_size"], 24)]
@@ -176,17 +182,15 @@ def _fake_checkpoint(path: Path, names: list[str]) -> Path:
     return path
 
 
-@pytest.mark.parametrize("version,names", [
-    (6, ["emb.weight", "blocks.0.att.time_faaaa", "blocks.0.att.time_decay_w1",
-         "blocks.0.att.ln_x.weight"]),
+@pytest.mark.parametrize("version,names", [  # RWKV-6 runs: tests/test_engine_rwkv6.py
     (5, ["emb.weight", "blocks.0.att.time_faaaa", "blocks.0.att.ln_x.weight"]),
 ])
-def test_rwkv5_and_6_are_refused_naming_what_runs(version: int, names: list[str],
-                                                 tmp_path: Path, capsys) -> None:
-    pth = _fake_checkpoint(tmp_path / "finch.pth", names)
+def test_rwkv5_is_refused_naming_what_runs(version: int, names: list[str],
+                                           tmp_path: Path, capsys) -> None:
+    pth = _fake_checkpoint(tmp_path / "eagle.pth", names)
     assert rwkv7_pth.checkpoint_version(names) == version
-    with pytest.raises(UnsupportedModelError, match=f"RWKV-{version} checkpoint.*RWKV-4 and "
-                       "RWKV-7"):
+    with pytest.raises(UnsupportedModelError, match=f"RWKV-{version} checkpoint.*RWKV-4, "
+                       "RWKV-6 and RWKV-7"):
         prepare_pth_source(pth, tmp_path / "out")
     assert main(["convert", str(pth), "-o", str(tmp_path / "model"), "--no-compile"]) != 0
     err = capsys.readouterr().err
@@ -226,43 +230,6 @@ def test_convert_a_world_pth_and_chat_tokens_equal_the_reference(tmp_path: Path,
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_cuda_kernels_build() -> None:
     """The GPU variant of the scan (one block per head, a thread per state row) and the model
-    around it build for CUDA (scheduled as tests/test_engine_rwkv.py's RWKV-4 build is)."""
-    import tvm
-    from tvm.relax.backend import gpu_generic
-    from tvm.s_tir import dlight as dl
-
-    from localchat.engine.build.compile import export_module
-    from localchat.engine.build.convert import read_hf_config
-    from localchat.engine.build.quantization import get_quant_mode
-    from localchat.engine.device import cuda_target
-    from localchat.engine.models import detect_architecture
-
-    hf = read_hf_config(source_folder("rwkv7-odd"))
-    arch = detect_architecture(hf)
-    target = cuda_target("sm_80")
-    rules = dl.ApplyDefaultSchedule(
-        dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()
-    )
-    passes = (
-        gpu_generic.library_dispatch_passes(target)
-        + gpu_generic.legalize_passes(target)[:-1]
-        + [rules]
-        + gpu_generic.dataflow_lower_passes(target)
-        + gpu_generic.finalize_passes(target)
-    )
-
-    @tvm.transform.module_pass(opt_level=0)
-    def pipeline(mod, _ctx):
-        with target:
-            return tvm.transform.Sequential(passes)(mod)
-
-    mod, _ = export_module(arch, arch.config_from_hf(hf), get_quant_mode("q4f16_1"), target)
-    ex = tvm.compile(mod, target=target, relax_pipeline=pipeline)
-
-    def modules(m):
-        yield m
-        for child in m.imports:
-            yield from modules(child)
-
-    sources = [m.inspect_source() for m in modules(ex.mod) if m.kind == "cuda"]
+    around it build for CUDA (compile.py's GPU pipeline)."""
+    sources = cuda_sources(source_folder("rwkv7-odd"))
     assert sources and "wkv7_scan" in sources[0] and "__syncthreads" in sources[0]

@@ -310,8 +310,11 @@ def test_builtin_render_delta_is_the_new_turn_only(name):
     template = builtin_template(name)
     previous, new = _turns()
     delta = render_delta(template, previous, new)
-    assert delta.reuses_prefix
     assert delta.full == template.render([*previous, *new])
+    if template.thinks:  # rwkv_world_think: earlier replies lack the <think> its prompt opens
+        assert not delta.reuses_prefix and delta.new_text == delta.full
+        return
+    assert delta.reuses_prefix
     prefix = template.render(previous, add_generation_prompt=False)
     if name == "phi-3":  # its end-of-text token after the last message is not kept
         prefix = prefix.removesuffix(template.eos_token)

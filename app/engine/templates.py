@@ -1,7 +1,8 @@
 """Conversation templates: turning chat messages into the prompt text a model was trained on.
 
 Two kinds, one interface (`ConversationTemplate`): built-in templates looked up by name
-(`chatml`, `llama-2`, `llama-3`, `mistral`, `qwen2`, `phi-3`, `gemma`, `rwkv_world`, `raw`),
+(`chatml`, `llama-2`, `llama-3`, `mistral`, `qwen2`, `phi-3`, `gemma`, `rwkv_world`,
+`rwkv_world_think`, `raw`),
 and a model's own Jinja `chat_template`, rendered in a sandbox the way transformers renders it.
 `resolve_template` picks one for a model folder; `ConversationTemplate.render_delta` gives the
 text a new turn adds, so a conversation that keeps its KV/RNN state prefills only that.
@@ -280,6 +281,39 @@ def _render_rwkv_world(t: BuiltinTemplate, msgs: list[tuple[str, str]], gen: boo
     return "".join(parts)
 
 
+@dataclass(frozen=True)
+class WorldThinkTemplate(BuiltinTemplate):
+    """The RWKV World format of a reasoning model (the RWKV-7 G1 line), with the model card's
+    prompts: thinking on (the default) ends the prompt with `Assistant: <think>` (in the World
+    vocabulary `>` is a token of its own, so this is the very token prefix of the trained
+    `<think>\n…`), off with an empty block, `Assistant: <think>\n</think>`. Earlier replies are
+    rendered without their thinking."""
+
+    @property
+    def thinks(self) -> bool:
+        return True
+
+    @property
+    def reads_enable_thinking(self) -> bool:
+        return True
+
+    def render(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        enable_thinking: bool | None = None,
+    ) -> str:
+        """The prompt text, its generation prompt opening a think block unless thinking is off."""
+        if tools:
+            raise GenerationError(f"template {self.name} does not render tools")
+        text = self.renderer(self, _normalize(messages), False)
+        if not add_generation_prompt:
+            return text
+        return text + ("Assistant: <think>\n</think>" if enable_thinking is False
+                       else "Assistant: <think>")
+
+
 def _render_raw(t: BuiltinTemplate, msgs: list[tuple[str, str]], gen: bool) -> str:
     return "".join(content for _, content in msgs)
 
@@ -350,6 +384,14 @@ BUILTIN_TEMPLATES: dict[str, BuiltinTemplate] = {
             stop_strings=("\n\nUser:",),
             stop_token_ids=(0,),
             description="RWKV World: System:/User:/Assistant: paragraphs",
+        ),
+        WorldThinkTemplate(
+            "rwkv_world_think",
+            _render_rwkv_world,
+            stop_strings=("\n\nUser:",),
+            stop_token_ids=(0,),
+            description="RWKV World for reasoning models (RWKV-7 G1): the reply opens with a "
+            "<think> block",
         ),
         BuiltinTemplate(
             "raw",

@@ -78,7 +78,7 @@ def reference_folder(ref: Path, log: Log | None = None) -> Iterator[Path]:
         f"{ref}: a reference is an HF model folder, a .gguf file or an RWKV .pth", "reference")
 
 
-# the `rwkv` package's state per layer, in its order: RWKV-4 has five tensors, RWKV-7 three
+# the `rwkv` package's state per layer, in its order: RWKV-4 has five tensors, RWKV-6 and 7 three
 BLINK_STATE = ("state.att_x", "state.att_num", "state.att_den", "state.att_max", "state.ffn_x")
 BLINK_STATE_V7 = ("state.att_x", "state.att_kv", "state.ffn_x")
 
@@ -86,7 +86,8 @@ BLINK_STATE_V7 = ("state.att_x", "state.att_kv", "state.ffn_x")
 def _blink_model(pth: Path) -> Any:
     """The `rwkv` package's model of `pth` (cpu fp32): its `RWKV_x070` for an RWKV-7 file
     (chosen by the module-level switch RWKV_V7_ON, so the module is reloaded with it set and
-    reloaded back afterwards), else its generic `RWKV`."""
+    reloaded back afterwards), else its generic `RWKV` (RWKV-4 and 6; reloaded with the switch
+    off where this process has it on)."""
     import contextlib
     import importlib
     import io
@@ -103,11 +104,20 @@ def _blink_model(pth: Path) -> Any:
     except ImportError:
         raise MissingExtraError("an RWKV .pth reference needs the rwkv package: "
                                 "pip install rwkv") from None
-    if not v7:
-        return blink.RWKV(model=str(pth), strategy="cpu fp32", verbose=False)
     before = os.environ.get("RWKV_V7_ON")
+    if not v7 and before != "1" and blink.RWKV.__name__ == "RWKV":
+        return blink.RWKV(model=str(pth), strategy="cpu fp32", verbose=False)
     # it prints banners to stdout, which `--json` output owns
     with contextlib.redirect_stdout(io.StringIO()):
+        if not v7:  # the switch is on in this process: the generic class needs it off
+            try:
+                os.environ.pop("RWKV_V7_ON", None)
+                return importlib.reload(blink).RWKV(model=str(pth), strategy="cpu fp32",
+                                                    verbose=False)
+            finally:
+                if before is not None:
+                    os.environ["RWKV_V7_ON"] = before
+                importlib.reload(blink)
         try:
             os.environ["RWKV_V7_ON"] = "1"
             blink = importlib.reload(blink)
@@ -122,18 +132,30 @@ def _blink_model(pth: Path) -> Any:
 
 
 def run_blink_reference(pth: Path, token_ids: list[int], num_layers: int) -> ForwardTrace:
-    """The `rwkv` package's reference model (cpu fp32) on a BlinkDL RWKV-4 or RWKV-7 `.pth`:
-    logits at every position and each layer's new state (the layout told by its length)."""
+    """The `rwkv` package's reference model (cpu fp32) on a BlinkDL RWKV-4, 6 or 7 `.pth`:
+    logits at every position and each layer's new state (the layout told by its length: RWKV-6
+    has RWKV-7's three tensors per layer, its matrix state also [heads, N, N])."""
     require_torch()
     import torch
 
     model = _blink_model(pth)
+    if getattr(model, "version", None) == 6:
+        # the generic class folds blocks.0.ln0 into the embedding in the file's dtype (bfloat16
+        # as published: a rounding of its own, ~1e-3 of the logits; its RWKV_x070 folds in
+        # float32); localchat folds in float32, so the reference does too
+        raw = torch.load(str(pth), map_location="cpu")
+        emb = raw["emb.weight"].float()
+        model.w["emb.weight"] = torch.nn.functional.layer_norm(
+            emb, (emb.shape[1],), weight=raw["blocks.0.ln0.weight"].float(),
+            bias=raw["blocks.0.ln0.bias"].float())
+        del raw
     with torch.no_grad():
         logits, state = model.forward(list(token_ids), None, full_output=True)
     names = {5 * num_layers: BLINK_STATE, 3 * num_layers: BLINK_STATE_V7}.get(len(state))
     if names is None:
         raise InvalidRequestError(f"{pth.name}: its state has {len(state)} tensors, not the "
-                                  f"5 (RWKV-4) or 3 (RWKV-7) per layer of {num_layers} layers",
+                                  f"5 (RWKV-4) or 3 (RWKV-6/7) per layer of {num_layers} "
+                                  f"layers",
                                   "reference")
     per = len(names)
     probes = [ProbeValue(layer, name, state[per * layer + i].to(torch.float32).numpy()

@@ -1,8 +1,9 @@
 """BlinkDL `.pth` checkpoints: make a folder the converter reads from a lone `.pth` file
 (config.json inferred from the tensor shapes, the checkpoint linked in, the World vocabulary for
 World-sized models). `prepare_pth_source` is the one entry point for every RWKV version: it
-tells the version from the tensor names (`rwkv7_pth.checkpoint_version`), prepares RWKV-4 here
-and RWKV-7 in `rwkv7_pth`, and refuses RWKV-5/6 naming what is supported. From the shell:
+tells the version from the tensor names (`rwkv7_pth.checkpoint_version`), prepares RWKV-4
+here, RWKV-6 in `rwkv6_pth` and RWKV-7 in `rwkv7_pth`, and refuses RWKV-5 naming what is
+supported. From the shell:
 
     python -m localchat.engine.models.rwkv4_pth FILE.pth FOLDER [--rescale-every 6]
 
@@ -17,7 +18,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from localchat.engine.models import rwkv7_pth
+from localchat.engine.models import rwkv6_pth, rwkv7_pth
 from localchat.errors import WeightsError
 
 WORLD_VOCAB = "rwkv_vocab_v20230424.txt"
@@ -63,6 +64,8 @@ def prepare_pth_source(pth: Path, dest: Path, *, rescale_every: int = 6) -> Path
     rwkv7_pth.refuse_unsupported(version, pth.name)
     if version == 7:
         return rwkv7_pth.prepare_rwkv7_source(pth, dest)
+    if version == 6:
+        return rwkv6_pth.prepare_rwkv6_source(pth, dest)
     config = config_from_checkpoint(pth, rescale_every)
     dest.mkdir(parents=True, exist_ok=True)
     rwkv7_pth.link_checkpoint(pth, dest)
@@ -79,8 +82,8 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(
         prog="python -m localchat.engine.models.rwkv4_pth",
-        description="Make a converter-ready folder from a BlinkDL RWKV-4 or RWKV-7 .pth "
-        "(then: localchat convert FOLDER -o OUT)",
+        description="Make a converter-ready folder from a BlinkDL RWKV-4, RWKV-6 or RWKV-7 "
+        ".pth (then: localchat convert FOLDER -o OUT)",
     )
     parser.add_argument("pth", type=Path)
     parser.add_argument("folder", type=Path)

@@ -1,7 +1,8 @@
 """BlinkDL `.pth` checkpoints of any RWKV version: which version a file is (from its tensor
 names), and the folder the converter reads made from a lone RWKV-7 `.pth` (config.json inferred
 from the tensor shapes, the checkpoint linked in, the World vocabulary). RWKV-4 files are
-prepared by `rwkv4_pth`, whose `prepare_pth_source` is the one entry point for every version.
+prepared by `rwkv4_pth`, whose `prepare_pth_source` is the one entry point for every version,
+RWKV-6 files by `rwkv6_pth`.
 
 The World vocabulary (the same file for RWKV-4, 6 and 7 World models) is taken from beside the
 checkpoint, else from an installed `rwkv` package, else from localchat's cache, where it is
@@ -25,7 +26,7 @@ from typing import Any
 from localchat.engine.tokenizer import WORLD_VOCAB_FILE
 from localchat.errors import ModelConfigError, UnsupportedModelError, WeightsError
 
-SUPPORTED = "RWKV-4 and RWKV-7"
+SUPPORTED = "RWKV-4, RWKV-6 and RWKV-7"
 WORLD_VOCAB_ROWS = 65536  # embedding rows of every RWKV World model
 VOCAB_WHEEL = "rwkv==0.8.32"  # the PyPI wheel that carries the World vocabulary
 
@@ -45,8 +46,8 @@ def checkpoint_version(names: set[str] | list[str]) -> int:
 
 
 def refuse_unsupported(version: int, where: str) -> None:
-    """Raise a clear error for a version localchat does not run (5 and 6)."""
-    if version not in (4, 7):
+    """Raise a clear error for a version localchat does not run (5)."""
+    if version not in (4, 6, 7):
         raise UnsupportedModelError(
             f"{where}: an RWKV-{version} checkpoint; localchat runs {SUPPORTED} .pth files")
 
