@@ -47,6 +47,7 @@ REQUIRED = [
     # RWKV-7 World and G1 from BlinkDL's .pth (issue 26)
     "rwkv7-world-0.1b", "rwkv7-world-0.4b", "rwkv7-world-1.5b", "rwkv7-world-2.9b",
     "rwkv7-g1-1.5b",
+    "rwkv6-world-1.6b", "rwkv6-world-3b", "rwkv6-world-7b",  # RWKV-6 Finch .pth (issue 26)
     # embedding models (issue 28)
     "all-minilm-l6-v2", "bge-small-en-v1.5", "bge-base-en-v1.5", "nomic-embed-text-v1.5",
     "qwen3-embedding-0.6b",
@@ -54,6 +55,8 @@ REQUIRED = [
     "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "gemma-3-270m-it", "gemma-3-1b-it",
     "gemma-3-4b-it", "gemma-2-2b-it", "phi-3.5-mini-instruct", "phi-4-mini-instruct",
     "olmo-2-1b-instruct", "smollm3-3b", "deepseek-r1-distill-qwen-1.5b", "llama-3.1-8b-instruct",
+    # mixtures of experts (issue 27)
+    "qwen3-30b-a3b", "olmoe-1b-7b-instruct", "mixtral-8x7b-instruct",
 ]
 EMBEDDING_ARCHITECTURES = ("bert", "nomic_bert")  # full precision by default
 

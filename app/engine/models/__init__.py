@@ -139,13 +139,21 @@ REGISTRY: tuple[Entry, ...] = (
     Entry("qwen3", "qwen3", ("Qwen3ForCausalLM",), ("qwen3",), gguf_architectures=("qwen3",)),
     Entry("gemma2", "gemma", ("Gemma2ForCausalLM",), ("gemma2",),
           gguf_architectures=("gemma2",)),
-    Entry("gemma3", "gemma", ("Gemma3ForCausalLM",), ("gemma3_text",),
+    # the multimodal checkpoints (4B and up): their language model, the vision tower left out
+    Entry("gemma3", "gemma", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
+          ("gemma3_text", "gemma3"),
           gguf_architectures=("gemma3",)),
     Entry("olmo2", "olmo2", ("Olmo2ForCausalLM",), ("olmo2",), gguf_architectures=("olmo2",)),
     Entry("smollm3", "smollm3", ("SmolLM3ForCausalLM",), ("smollm3",),
           gguf_architectures=("smollm3",)),
     Entry("phi3", "phi3", ("Phi3ForCausalLM",), ("phi3",), gguf_architectures=("phi3",)),
+    # mixture-of-experts configurations of the same block (models/moe.py)
+    Entry("qwen3_moe", "qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",),
+          gguf_architectures=("qwen3moe",)),
+    Entry("olmoe", "olmoe", ("OlmoeForCausalLM",), ("olmoe",), gguf_architectures=("olmoe",)),
+    Entry("mixtral", "mixtral", ("MixtralForCausalLM",), ("mixtral",)),
     Entry("rwkv4", "rwkv4", ("RwkvForCausalLM",), ("rwkv",)),
+    Entry("rwkv6", "rwkv6", ("Rwkv6ForCausalLM",), ("rwkv6",)),
     Entry("rwkv7", "rwkv7", ("Rwkv7ForCausalLM",), ("rwkv7",)),
     # text encoders for embeddings (state "encoder": no KV cache, one `encode` function)
     Entry("bert", "bert", ("BertModel", "BertForMaskedLM", "BertForPreTraining"), ("bert",)),

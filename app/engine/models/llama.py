@@ -43,6 +43,11 @@ from localchat.errors import ModelConfigError, UnsupportedModelError
 
 DEFAULT_PREFILL_CHUNK = 256
 
+# (config, ctx, layer_id) -> a layer's MLP module; (config, get, names, layer_id) -> its weights
+MlpFactory = Callable[[Any, BuildContext, int], nn.Module]
+MlpParams = Callable[[Any, Callable[[str], np.ndarray], set[str], int],
+                     Iterator[tuple[str, np.ndarray]]]
+
 
 @dataclass
 class LlamaConfig:
@@ -274,7 +279,10 @@ class LlamaDecoderLayer(nn.Module):
     each branch ("pre", Llama), before and after ("sandwich", Gemma), after only ("post",
     OLMo 2). Parameter names follow HF's for each placement."""
 
-    def __init__(self, cfg: LlamaConfig, ctx: BuildContext, layer_id: int = 0) -> None:
+    def __init__(self, cfg: LlamaConfig, ctx: BuildContext, layer_id: int = 0,
+                 make_mlp: MlpFactory | None = None) -> None:
+        """`make_mlp(cfg, ctx, layer_id)`: the layer's MLP (default LlamaMLP; the MoE
+        architectures give `models.moe`'s)."""
         eps, h = cfg.rms_norm_eps, cfg.hidden_size
         self.norms = cfg.norms
         if cfg.norms not in ("pre", "sandwich", "post"):
@@ -289,7 +297,7 @@ class LlamaDecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(h, eps, ctx)
         if cfg.norms in ("sandwich", "post"):
             self.post_feedforward_layernorm = RMSNorm(h, eps, ctx)
-        self.mlp = LlamaMLP(cfg, ctx)
+        self.mlp = make_mlp(cfg, ctx, layer_id) if make_mlp else LlamaMLP(cfg, ctx)
 
     def forward(self, x: nn.Tensor, cache: PagedKVCache, layer_id: int, gemv: bool) -> nn.Tensor:
         # probes (models/probes.py) name each step by the HF module whose output it equals
@@ -310,10 +318,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: LlamaConfig, ctx: BuildContext) -> None:
+    def __init__(self, cfg: LlamaConfig, ctx: BuildContext,
+                 make_mlp: MlpFactory | None = None) -> None:
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, ctx)
         self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(cfg, ctx, i) for i in range(cfg.num_hidden_layers)]
+            [LlamaDecoderLayer(cfg, ctx, i, make_mlp) for i in range(cfg.num_hidden_layers)]
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx)
 
@@ -328,14 +337,17 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The exported model: embed, (batch_)prefill, (batch_)decode and the KV-cache constructor."""
+    """The exported model: embed, (batch_)prefill, (batch_)decode and the KV-cache constructor.
+    A subclass may set `make_mlp` (see LlamaDecoderLayer)."""
+
+    make_mlp: MlpFactory | None = None
 
     def __init__(self, cfg: LlamaConfig, mode: QuantMode, target: Target) -> None:
         ctx = BuildContext(mode, target)
         self.cfg = cfg
         self.mode = mode
         self.target = target
-        self.model = LlamaModel(cfg, ctx)
+        self.model = LlamaModel(cfg, ctx, type(self).make_mlp)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, ctx, head=True)
 
@@ -456,10 +468,13 @@ class LlamaForCausalLM(nn.Module):
 
 
 def hf_params(
-    cfg: LlamaConfig, get: Callable[[str], np.ndarray], names: set[str]
+    cfg: LlamaConfig, get: Callable[[str], np.ndarray], names: set[str],
+    mlp_params: MlpParams | None = None,
 ) -> Iterator[tuple[str, np.ndarray]]:
     """Our float parameters, by our names, from HF tensors fetched by `get(hf_name)` (HF's
-    names for every block option: q_norm/k_norm, the norms of each placement, MLP biases)."""
+    names for every block option: q_norm/k_norm, the norms of each placement, MLP biases);
+    `mlp_params(cfg, get, names, layer_id)` yields a layer's MLP instead of `dense_mlp_params`
+    (the MoE architectures)."""
 
     def norm(name: str) -> np.ndarray:  # (offset + w) folded into the stored weight
         w = get(name)
@@ -479,14 +494,7 @@ def hf_params(
         if cfg.qk_norm:
             for qk in ("q_norm", "k_norm"):
                 yield ours + f"self_attn.{qk}.weight", norm(hf + f"self_attn.{qk}.weight")
-        gate_up = [hf + "mlp.gate_proj", hf + "mlp.up_proj"]
-        yield ours + "mlp.gate_up_proj.weight", np.concatenate([get(p + ".weight")
-                                                                for p in gate_up])
-        yield ours + "mlp.down_proj.weight", get(hf + "mlp.down_proj.weight")
-        if cfg.mlp_bias:
-            yield ours + "mlp.gate_up_proj.bias", np.concatenate([get(p + ".bias")
-                                                                  for p in gate_up])
-            yield ours + "mlp.down_proj.bias", get(hf + "mlp.down_proj.bias")
+        yield from (mlp_params or dense_mlp_params)(cfg, get, names, i)
         layer_norms = {"pre": ("input_layernorm", "post_attention_layernorm"),
                        "sandwich": ("input_layernorm", "post_attention_layernorm",
                                     "pre_feedforward_layernorm", "post_feedforward_layernorm"),
@@ -499,6 +507,19 @@ def hf_params(
             yield "lm_head.weight", get("lm_head.weight")
         else:  # some checkpoints omit a head that equals the embedding
             yield "lm_head.weight", get("model.embed_tokens.weight")
+
+
+def dense_mlp_params(
+    cfg: LlamaConfig, get: Callable[[str], np.ndarray], names: set[str], layer_id: int
+) -> Iterator[tuple[str, np.ndarray]]:
+    """Layer `layer_id`'s LlamaMLP parameters from HF's gate/up/down projections."""
+    hf = ours = f"model.layers.{layer_id}."
+    gate_up = [hf + "mlp.gate_proj", hf + "mlp.up_proj"]
+    yield ours + "mlp.gate_up_proj.weight", np.concatenate([get(p + ".weight") for p in gate_up])
+    yield ours + "mlp.down_proj.weight", get(hf + "mlp.down_proj.weight")
+    if cfg.mlp_bias:
+        yield ours + "mlp.gate_up_proj.bias", np.concatenate([get(p + ".bias") for p in gate_up])
+        yield ours + "mlp.down_proj.bias", get(hf + "mlp.down_proj.bias")
 
 
 def kv_cache_bytes(cfg: LlamaConfig, dtype: str, max_batch_size: int, tokens: int) -> int:
@@ -540,6 +561,12 @@ GGUF_LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Mixtral (filed under `llama`): the router and the experts merged per layer, [E, out, in]
+    # (`models.moe` reads these names)
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 GGUF_CONFIG_KEYS = {
     "embedding_length": ("hidden_size", int, None),
@@ -603,6 +630,11 @@ def gguf_config(gf: GgufSource, read: dict[str, Any]) -> dict[str, Any]:
         "mlp_bias": False,
         "torch_dtype": "float32",
     }
+    experts = gf.arch_key("expert_count")
+    if experts:  # llama.cpp files Mixtral under `llama`
+        config.update(architectures=["MixtralForCausalLM"], model_type="mixtral",
+                      num_local_experts=int(experts),
+                      num_experts_per_tok=int(gf.arch_key("expert_used_count") or 0))
     scaling_type = gf.arch_key("rope.scaling.type")
     if gf.tensor_shape("rope_freqs.weight") is not None:
         scaling = llama3_rope_from_freqs(gf.tensor_values("rope_freqs.weight"), head_dim,

@@ -1,0 +1,231 @@
+"""Mixture-of-experts MLPs for the shared decoder block of `llama` (Qwen3-MoE, OLMoE, Mixtral).
+
+A MoE layer routes each token to `num_experts_per_tok` of `num_experts` SwiGLU experts: router
+logits (a float Linear, never quantized: which experts run must not move with the weights'
+rounding), softmax over all experts, the top k, renormalized to sum 1 with `norm_topk_prob`
+(Mixtral's softmax over its two chosen logits is the same thing), and the weighted sum of the
+chosen experts' outputs (HF's `*TopKRouter` and `*Experts`, transformers 5).
+
+Storage: each projection's experts are one 2-D parameter, expert e's rows at [e * out, (e + 1) *
+out): `experts.gate_up_proj` [E * 2F, H] (per expert its gate rows, then its up rows, as the
+dense block's fused gate/up) and `experts.down_proj` [E * H, F]; held by `Linear`s (whose
+forward is not used), so the converter quantizes them as any other Linear weight. On the CPU
+the layer runs `kernels.moe` (router top-k, the grouped GEMV over the selected experts, the
+weighted sum); GPU targets are refused for now.
+
+The decoder block picks this MLP per layer through `LlamaForCausalLM.make_mlp` (`MoeConfig.
+moe_layers`: 1 for a MoE layer, 0 for a dense one, as Qwen3-MoE's `mlp_only_layers` and
+`decoder_sparse_step` say), so llama.py does not import this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import op
+
+from localchat.engine.build.quantization import get_quant_mode
+from localchat.engine.kernels import moe as moe_kernels
+from localchat.engine.models import Architecture, GgufMap, GgufSource, llama, probes
+from localchat.engine.models.layers import BuildContext, Linear, linear, silu_mul
+from localchat.errors import ModelConfigError, UnsupportedModelError
+
+
+@dataclass
+class MoeConfig(llama.LlamaConfig):
+    """The shared block's config plus its experts: how many, how many per token, their width,
+    whether the chosen weights are renormalized, and which layers are MoE (1) or dense (0)."""
+
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: list[int] = dataclasses.field(default_factory=list)
+
+    def is_moe(self, layer_id: int) -> bool:
+        """Whether layer `layer_id`'s MLP is the mixture of experts."""
+        return self.num_experts > 0 and bool(self.moe_layers[layer_id])
+
+
+def experts_of(hf: dict[str, Any]) -> int:
+    """The number of experts of an HF config.json: `num_experts` (Qwen3-MoE, OLMoE) or
+    `num_local_experts` (Mixtral, and what transformers 5 writes for all three)."""
+    return int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+
+
+def moe_config(base: llama.LlamaConfig, experts: int, per_token: int, intermediate: int,
+               norm_topk_prob: bool, moe_layers: list[int] | None = None) -> MoeConfig:
+    """A MoeConfig from the block's config (`LlamaConfig.from_hf` and the architecture's
+    options) and the experts' settings read from config.json; checks them."""
+    if experts <= 0 or not 0 < per_token <= experts:
+        raise ModelConfigError(f"config.json: {per_token} experts per token of {experts}")
+    if intermediate <= 0:
+        raise ModelConfigError("config.json: the experts' intermediate size is missing")
+    layers = moe_layers if moe_layers is not None else [1] * base.num_hidden_layers
+    return MoeConfig(**dataclasses.asdict(base), num_experts=experts,
+                     num_experts_per_tok=per_token, moe_intermediate_size=intermediate,
+                     norm_topk_prob=norm_topk_prob, moe_layers=layers)
+
+
+class Router(nn.Module):
+    """The router's weight [experts, hidden], float in every mode (HF's `mlp.gate`)."""
+
+    def __init__(self, experts: int, hidden: int, dtype: str) -> None:
+        self.weight = nn.Parameter((experts, hidden), dtype)
+
+
+class Experts(nn.Module):
+    """The experts' stacked projections (HF's `mlp.experts`), as 2-D Linear weights."""
+
+    def __init__(self, cfg: MoeConfig, ctx: BuildContext) -> None:
+        e, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = Linear(h, e * 2 * f, False, ctx)
+        self.down_proj = Linear(f, e * h, False, ctx)
+
+
+class MoeMLP(nn.Module):
+    """A mixture-of-experts MLP: the router picks k experts per token, their SwiGLU outputs are
+    summed weighted by the router's probabilities."""
+
+    def __init__(self, cfg: MoeConfig, ctx: BuildContext) -> None:
+        if cfg.hidden_act != "silu" or cfg.mlp_bias:
+            raise UnsupportedModelError("MoE experts are SwiGLU without biases")
+        if ctx.mode.quantized and ctx.mode.bits != 4:
+            raise UnsupportedModelError(f"MoE experts in {ctx.mode.name} are not supported "
+                                        f"(float or 4-bit modes)")
+        if not ctx.cpu:
+            raise UnsupportedModelError(
+                f"mixture-of-experts models run on the CPU only (not {ctx.target_kind})")
+        self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
+        self.hidden, self.inter = cfg.hidden_size, cfg.moe_intermediate_size
+        self.norm = cfg.norm_topk_prob
+        self.mode, self.ctx = ctx.mode, ctx
+        self.float_mode = get_quant_mode("q0f16" if ctx.dtype == "float16" else "q0f32")
+        self.gate = Router(cfg.num_experts, cfg.hidden_size, ctx.dtype)
+        self.experts = Experts(cfg, ctx)
+
+    def _quant(self) -> str:
+        if not self.mode.quantized:
+            return "f"
+        return "q4_asym" if self.mode.asymmetric else "q4"
+
+    def _grouped(self, x: nn.Tensor, proj: Linear, idx: nn.Tensor, k: int, n: int,
+                 shared: bool) -> nn.Tensor:
+        """x [t, 1 or top_k, k] through the selected experts of `proj` -> [t, top_k, n]."""
+        func = moe_kernels.moe_gemv(k, n, self.num_experts, self.top_k, self.ctx.dtype,
+                                    self._quant(), self.ctx.isa, shared)
+        weights = [proj.weight] + ([proj.scale] if proj.scale is not None else [])
+        return op.tensor_ir_op(
+            func, "moe_gemv", args=[x, *weights, idx],
+            out=nn.Tensor.placeholder((x.shape[0], self.top_k, n), self.ctx.dtype))
+
+    def forward(self, x: nn.Tensor, gemv: bool) -> nn.Tensor:
+        b, s, h = x.shape
+        x2 = op.reshape(x, (b * s, h))
+        logits = linear(x2, self.gate.weight, None, None, self.float_mode, self.ctx.target_kind,
+                        False, gemv)
+        t, k, f = b * s, self.top_k, self.inter
+        func = moe_kernels.router_topk(self.num_experts, k, self.norm, self.ctx.dtype)
+        idx, weight = op.tensor_ir_op(
+            func, "router_topk", args=[logits],
+            out=[nn.Tensor.placeholder((t, k), "int32"),
+                 nn.Tensor.placeholder((t, k), "float32")])
+        gate_up = self._grouped(op.reshape(x2, (t, 1, h)), self.experts.gate_up_proj, idx, h,
+                                2 * f, shared=True)
+        act = silu_mul(gate_up, "llvm")
+        down = self._grouped(act, self.experts.down_proj, idx, f, h, shared=False)
+        out = op.tensor_ir_op(moe_kernels.moe_combine(h, k, self.ctx.dtype), "moe_combine",
+                              args=[down, weight],
+                              out=nn.Tensor.placeholder((t, h), self.ctx.dtype))
+        return probes.probe("mlp", op.reshape(out, (b, s, h)))
+
+
+def make_mlp(cfg: MoeConfig, ctx: BuildContext, layer_id: int) -> nn.Module:
+    """Layer `layer_id`'s MLP: the experts, or the dense MLP where the config says so."""
+    return MoeMLP(cfg, ctx) if cfg.is_moe(layer_id) else llama.LlamaMLP(cfg, ctx)
+
+
+class MoeForCausalLM(llama.LlamaForCausalLM):
+    """The Llama block's model with MoE MLPs (`make_mlp`)."""
+
+    make_mlp = staticmethod(make_mlp)
+
+
+def moe_mlp_params(cfg: MoeConfig, get: Callable[[str], np.ndarray], names: set[str],
+                   layer_id: int) -> Iterator[tuple[str, np.ndarray]]:
+    """Layer `layer_id`'s MLP parameters from HF tensors: the router and the experts stacked
+    (HF's per-expert `mlp.experts.N.{gate,up,down}_proj`, Mixtral's `block_sparse_moe.experts.N.
+    w1/w3/w2`, transformers 5's fused `mlp.experts.gate_up_proj` [E, 2F, H] and `down_proj`
+    [E, H, F], or a GGUF's merged `mlp.experts.{gate,up,down}_proj.weight` [E, out, in])."""
+    if not cfg.is_moe(layer_id):
+        yield from llama.dense_mlp_params(cfg, get, names, layer_id)
+        return
+    layer = f"model.layers.{layer_id}."
+    ours = layer + "mlp."
+    e, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    if layer + "block_sparse_moe.gate.weight" in names:
+        base, gate, up, down = layer + "block_sparse_moe.", "w1", "w3", "w2"
+    else:
+        base, gate, up, down = layer + "mlp.", "gate_proj", "up_proj", "down_proj"
+    yield ours + "gate.weight", get(base + "gate.weight")
+    if base + "experts.gate_proj.weight" in names:  # llama.cpp's merged [E, out, in] (GGUF)
+        yield ours + "experts.gate_up_proj.weight", np.concatenate(
+            [get(base + "experts.gate_proj.weight"), get(base + "experts.up_proj.weight")],
+            axis=1).reshape(e * 2 * f, h)
+        yield ours + "experts.down_proj.weight", np.reshape(
+            get(base + "experts.down_proj.weight"), (e * h, f))
+        return
+    if base + "experts.gate_up_proj" in names:
+        yield ours + "experts.gate_up_proj.weight", np.reshape(
+            get(base + "experts.gate_up_proj"), (e * 2 * f, h))
+        yield ours + "experts.down_proj.weight", np.reshape(
+            get(base + "experts.down_proj"), (e * h, f))
+        return
+    gate_up = np.empty((e * 2 * f, h), dtype=np.float32)
+    downs = np.empty((e * h, f), dtype=np.float32)
+    for i in range(e):
+        expert = f"{base}experts.{i}."
+        gate_up[i * 2 * f:i * 2 * f + f] = get(expert + f"{gate}.weight")
+        gate_up[i * 2 * f + f:(i + 1) * 2 * f] = get(expert + f"{up}.weight")
+        downs[i * h:(i + 1) * h] = get(expert + f"{down}.weight")
+    yield ours + "experts.gate_up_proj.weight", gate_up
+    yield ours + "experts.down_proj.weight", downs
+
+
+def architecture(name: str, config_from_hf: Callable[[dict[str, Any]], MoeConfig],
+                 gguf: GgufMap | None = None) -> Architecture:
+    """A MoE architecture of the shared block: Llama's cache and exports, `config_from_hf`'s
+    config, the MoE MLPs and their weights, `gguf`'s reading of llama.cpp's files."""
+    return dataclasses.replace(
+        llama.architecture(name), config_from_hf=config_from_hf,
+        config_from_dict=MoeConfig.from_dict, build=MoeForCausalLM,
+        hf_params=functools.partial(llama.hf_params, mlp_params=moe_mlp_params), gguf=gguf)
+
+
+# llama.cpp's names for a MoE layer's MLP: the router and the experts merged per layer, 3-D
+# [E, out, in] (read under names of their own; `moe_mlp_params` stacks them)
+GGUF_MOE_TENSORS = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
+
+
+def gguf_moe_config(gf: GgufSource, norm_topk_prob: bool) -> dict[str, Any]:
+    """The experts' part of config.json from llama.cpp's `expert_*` metadata (the width from
+    the merged tensors when the file does not say it)."""
+    experts = int(gf.arch_key("expert_count") or 0)
+    used = int(gf.arch_key("expert_used_count") or 0)
+    shape = gf.tensor_shape("blk.0.ffn_gate_exps.weight")
+    if not experts or not used or shape is None:
+        raise UnsupportedModelError(f"{gf.path.name}: a MoE GGUF without experts")
+    width = int(gf.arch_key("expert_feed_forward_length") or shape[1])
+    return {"num_experts": experts, "num_experts_per_tok": used,
+            "moe_intermediate_size": width, "norm_topk_prob": norm_topk_prob}

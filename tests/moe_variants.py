@@ -1,0 +1,81 @@
+"""Tiny random mixture-of-experts models (Qwen3-MoE, OLMoE, Mixtral), saved by transformers
+from its config classes, for the oracle tests of tests/test_engine_moe.py: odd dims (hidden
+144, expert width 88: a padded 4-bit group and a GEMV tail), 6 experts, top 2, 2 layers."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from fixtures import cache_dir
+
+BASE: dict[str, Any] = {
+    "vocab_size": 301,
+    "hidden_size": 144,
+    "intermediate_size": 88,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 36,
+    "max_position_embeddings": 512,
+    "num_experts_per_tok": 2,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    # renormalized top-k; the second layer dense (mlp_only_layers), as Qwen3-MoE allows
+    "qwen3-moe": ("Qwen3MoeConfig", {"num_experts": 6, "moe_intermediate_size": 88,
+                                     "norm_topk_prob": True, "mlp_only_layers": [1],
+                                     "intermediate_size": 120}),
+    # q/k norm over the whole projection, top-k probabilities as they are
+    "olmoe": ("OlmoeConfig", {"num_experts": 6, "norm_topk_prob": False,
+                              "head_dim": None}),  # hidden / heads
+    "mixtral": ("MixtralConfig", {"num_local_experts": 6, "sliding_window": None}),
+    # every layer MoE, as llama.cpp's `qwen3moe` files are (GGUF import; not compiled)
+    "qwen3-moe-all": ("Qwen3MoeConfig", {"num_experts": 6, "moe_intermediate_size": 88,
+                                         "norm_topk_prob": True}),
+}
+
+
+def build_variant(name: str) -> Path:
+    """Save the random model of variant `name` (seeded) in the test cache; return its folder."""
+    import torch
+    import transformers
+
+    cls_name, extra = VARIANTS[name]
+    kwargs = {k: v for k, v in {**BASE, **extra}.items() if v is not None}
+    digest = hashlib.sha256(json.dumps([cls_name, kwargs, transformers.__version__, "head=perm"],
+                                       sort_keys=True).encode()).hexdigest()[:10]
+    out = cache_dir() / "variants" / f"{name}-{digest}"
+    if (out / "config.json").exists():
+        return out
+    config = getattr(transformers, cls_name)(**kwargs)
+    model_cls = getattr(transformers, cls_name.replace("Config", "ForCausalLM"))
+    torch.manual_seed(4321)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        # the router's weights larger than the initializer's, so experts are chosen by clear
+        # margins; the head the embeddings in a shuffled order, so the next token is clearly
+        # decided and greedy decoding walks through the vocabulary (the head aligned with the
+        # embeddings, as in llama_variants, repeats the last token; a random one repeats one)
+        perm = torch.randperm(config.vocab_size)
+        model.lm_head.weight.copy_(model.model.embed_tokens.weight[perm] * 4.0)
+        for layer in model.model.layers:
+            router = getattr(layer.mlp, "gate", None)
+            if router is not None and hasattr(router, "weight"):
+                router.weight.normal_(0.0, 0.5)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{name}-"))
+    model.save_pretrained(tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
