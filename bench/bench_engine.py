@@ -1,32 +1,45 @@
-"""Benchmark: localchat (q4f32_1, q0f32 or --quant) beside llama.cpp on this CPU, per model shape.
+"""Benchmark: localchat beside llama.cpp at its best on this CPU, per model shape.
 
-    python bench/bench_engine.py [--shape smollm2|1b|rwkv3b] [--threads 1,2] [--skip-llama-cpp]
-                                 [--skip-agreement] [--batches 1,4,16]
-                                 [--quant q4f32_1,q4f32_asym,q0f32]
+    python bench/bench_engine.py [--shape smollm2|1b|3b|rwkv3b] [--layers N] [--threads 1,2]
+                                 [--skip-llama-cpp] [--skip-agreement] [--batches 1,4,16]
+                                 [--quant q4f32_1,q4f32_0,q4f32_asym,q0f32]
+                                 [--peer Q4_0,Q4_K_M,Q4_1] [--long 4000 | --long 0]
 
 Shapes:
 
 * `smollm2` (default): the real SmolLM2-135M-Instruct, ours converted from its HF folder, llama.cpp
   on its Q4_1 GGUF; also each 4-bit mode's top-1 agreement with q0f32 over 128 greedy steps
-  (q0f32 greedy, q4 teacher-forced on those tokens);
+  (q0f32 greedy, q4 teacher-forced on those tokens; q4f32_0 on SmolLM2's Q4_0 GGUF, which
+  llama.cpp requantizes from its Q4_1 one);
 * `1b`: a Llama of 1B shape (hidden 2048, 16 layers, MLP 8192, 32/8 heads, vocab 49 152, tied
-  embeddings) with random weights, written once as an F16 GGUF with SmolLM2's tokenizer; llama.cpp
-  quantizes its copy to Q4_1 (every tensor), ours imports the same file (`gguf_to_hf_folder`, what
-  `localchat pull FILE.gguf` runs) and converts it to q4f32_1. Files are cached in the test cache
-  (tests/fixtures.cache_dir()) so a second run starts at once;
+  embeddings) and `3b`: Llama 3.2 3B's dims (hidden 3072, 28 layers, MLP 8192, 24/8 heads, vocab
+  128 256, tied), random weights, written once as an F16 GGUF with SmolLM2's tokenizer (the
+  token list padded to the vocabulary); `--layers N` builds N layers instead (the table says so:
+  its figures are then for N layers, not the whole model). The peer is llama.cpp at its best:
+  its Q4_0, Q4_K_M and Q4_1 files (`--peer`), each made by `llama_cpp.llama_model_quantize` from
+  that F16 file with llama.cpp's default tensor types (Q4_0's and Q4_1's output / tied embedding
+  in Q6_K; Q4_K_M's mix of Q4_K and Q6_K). Ours: q4f32_1 converted from the F16 file (through
+  `gguf_to_hf_folder`, what `localchat pull FILE.gguf` runs), q4f32_0 imported from llama.cpp's
+  Q4_0 file (it holds it exactly), q4f32_k from its Q4_K_M file (its Q4_K blocks exactly) and
+  q4f32_asym from its Q4_1 file. Files are cached in the test
+  cache (tests/fixtures.cache_dir()) so a second run starts at once;
 * `rwkv3b`: runs bench/bench_rwkv.py (RWKV-4 World 3B shape, random weights; decode as a fraction
   of the roofline it measures itself).
 
 For each engine and thread count: prefill tok/s on a 451-token prompt, decode tok/s over 128
-tokens, peak RSS, compile and load time, ratios to llama.cpp at the same thread count; the read
-bandwidth of a compiled streaming sum over 1 GiB (`localchat.engine.membw`, the probe `localchat
-bench` uses too), sampled before and after each run (this VM's bandwidth follows its neighbours'
-load), and decode as a fraction of that roofline: weight bytes read per token x tok/s /
-bandwidth (the layers' 4-bit weights, 20 bytes per 32 in q4f32_1, q4f32_asym and Q4_1, and the
-LM head: 4-bit in q4f32_1 and in the 1b shape's all-Q4_1 file, 8-bit (34 bytes per 32) in
-q4f32_asym and in SmolLM2's GGUF, Q8_0). Ours also decodes 1, 4 and 16 sequences at once
+tokens, decode tok/s after a 4,000-token prompt (`--long`; 1b and 3b: 32 steps), peak RSS,
+compile and load time, and ratios to the fastest peer row at the same thread count (each column
+its own fastest: the peer named under the table); then each engine at its best thread count
+against the peer at its best quantization and thread count. The read bandwidth of a compiled
+streaming sum over 1 GiB (`localchat.engine.membw`, the probe `localchat bench` uses too) is
+sampled before and after each run (this VM's bandwidth follows its neighbours' load), and decode
+is given as a fraction of that roofline: weight bytes read per token x tok/s / bandwidth, the
+bytes counted from the files themselves (the layers' matrices and the LM head, tied or not: a
+GGUF's tensor sizes, our tensor cache's records). Ours also decodes 1, 4 and 16 sequences at once
 (`Model.decode` on a list of sequences; tok/s summed over the sequences). Each configuration runs
-in its own process so peak RSS is its own.
+in its own process so peak RSS is its own. llama-cpp-python's wheel here is built for AVX2
+(no AVX-512): on a CPU without AVX-512 that is llama.cpp's best build; the table prints the
+build's features.
 """
 
 from __future__ import annotations
@@ -42,6 +55,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 PROMPT_TOKENS = 451
 DECODE_TOKENS = 128
+LONG_PROMPT = 4000  # tokens before the long-context decode
+LONG_DECODE = 32  # decode steps timed after them
 AGREE_STEPS = 128
 BATCH_PROMPT = 16  # tokens prefilled per sequence before the batched decode
 BATCH_STEPS = 32  # decode steps of the batched measurement
@@ -71,25 +86,51 @@ LLAMA_1B = {
     "num_key_value_heads": 8,
     "vocab_size": 49152,
 }
-Q4_BYTES_PER_WEIGHT = 20 / 32  # q4f32_1: 16 bytes of nibbles + a float32 scale; Q4_1: + 2 f16
-Q8_BYTES_PER_WEIGHT = 34 / 32  # 32 int8 + a float16 scale (Q8_0; the asymmetric modes' head)
+LLAMA_3B = {  # Llama 3.2 3B
+    "hidden_size": 3072,
+    "num_hidden_layers": 28,
+    "intermediate_size": 8192,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+}
+SHAPES = {"smollm2": SMOLLM2, "1b": LLAMA_1B, "3b": LLAMA_3B}
+CONTEXT = 8192  # the synthetic shapes' context length (room for the long-context row)
+PEERS = ("Q4_0", "Q4_K_M", "Q4_1")
+# Ours: which file each mode is made from (the F16 file, or llama.cpp's file it holds exactly)
+OURS_SOURCE = {"q4f32_0": "Q4_0", "q4f16_0": "Q4_0", "q4f32_asym": "Q4_1", "q4f16_asym": "Q4_1",
+               "q4f32_k": "Q4_K_M"}
 
 
-def weights_read_per_token(cfg: dict) -> tuple[int, int]:
-    """Weights a decode step reads: (every layer's projections, the (tied) LM head)."""
-    h, f, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    head_dim = h // cfg["num_attention_heads"]
-    qkv = h * (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"]) * head_dim
-    per_layer = qkv + h * h + 3 * h * f
-    return layers * per_layer, cfg["vocab_size"] * h
+def shape_config(shape: str, layers: int | None) -> dict:
+    """The shape's dimensions, with `layers` layers when given."""
+    cfg = dict(SHAPES[shape])
+    if layers:
+        cfg["num_hidden_layers"] = layers
+    return cfg
 
 
-def bytes_read_per_token(cfg: dict, engine: str, shape: str) -> float:
-    """Weight bytes a decode step of `engine` ("llama.cpp" or a quantization) reads."""
-    layers, head = weights_read_per_token(cfg)
-    head_8bit = engine.endswith("_asym") or (engine == "llama.cpp" and shape == "smollm2")
-    return (layers * Q4_BYTES_PER_WEIGHT
-            + head * (Q8_BYTES_PER_WEIGHT if head_8bit else Q4_BYTES_PER_WEIGHT))
+def gguf_bytes_per_token(path: Path) -> int:
+    """Weight bytes a decode step reads from a GGUF: every layer's matrices and the LM head
+    (`output.weight`, or the tied token embedding)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    layers = sum(n for name, n in sizes.items()
+                 if name.startswith("blk.") and name.endswith(".weight")
+                 and len(next(t for t in reader.tensors if t.name == name).shape) == 2)
+    return layers + sizes.get("output.weight", sizes["token_embd.weight"])
+
+
+def model_dir_bytes_per_token(model_dir: Path) -> int:
+    """Weight bytes a decode step of ours reads: every parameter but the token embedding when
+    the model has its own LM head (then one row of it is read per token)."""
+    records = json.loads((model_dir / "tensor-cache.json").read_text())["records"]
+    params = {r["name"]: int(r["nbytes"]) for shard in records for r in shard["records"]}
+    untied = any(name.startswith("lm_head.") for name in params)
+    return sum(n for name, n in params.items()
+               if not (untied and name.startswith("model.embed_tokens.")))
 
 
 def _peak_rss_mb() -> float:
@@ -103,41 +144,42 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-# -- the 1B-shape model files --------------------------------------------------------------------
-def _bench_dir() -> Path:
+# -- the synthetic model files -------------------------------------------------------------------
+def _bench_dir(shape: str, layers: int | None) -> Path:
     from fixtures import cache_dir
 
-    out = cache_dir() / "bench-llama-1b"
+    cfg = shape_config(shape, layers)
+    out = cache_dir() / f"bench-llama-{shape}-L{cfg['num_hidden_layers']}-c{CONTEXT}"
     out.mkdir(parents=True, exist_ok=True)
     return out
 
 
-def llama_1b_gguf() -> Path:
-    """The F16 GGUF of the 1B shape (random weights, SmolLM2's tokenizer), written once."""
+def llama_f16_gguf(shape: str, layers: int | None) -> Path:
+    """The F16 GGUF of a synthetic shape (random weights, SmolLM2's tokenizer), written once."""
     import gguf
     import numpy as np
 
     from fixtures import smollm2_gguf
 
-    path = _bench_dir() / "llama-1b-f16.gguf"
+    path = _bench_dir(shape, layers) / "f16.gguf"
     if path.exists():
         return path
-    cfg = LLAMA_1B
-    h, f, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    cfg = shape_config(shape, layers)
+    h, f, n_layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    heads, kv, vocab = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]
     head_dim = h // heads
     tmp = path.with_suffix(".tmp")
     w = gguf.GGUFWriter(str(tmp), "llama")
-    w.add_block_count(layers)
-    w.add_context_length(2048)
+    w.add_block_count(n_layers)
+    w.add_context_length(CONTEXT)
     w.add_embedding_length(h)
     w.add_feed_forward_length(f)
     w.add_head_count(heads)
     w.add_head_count_kv(kv)
-    w.add_rope_freq_base(100000.0)
+    w.add_rope_freq_base(500000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(head_dim)
-    w.add_vocab_size(cfg["vocab_size"])
+    w.add_vocab_size(vocab)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     src = gguf.GGUFReader(str(smollm2_gguf()))
     for key, field in src.fields.items():
@@ -145,15 +187,21 @@ def llama_1b_gguf() -> Path:
             continue
         vtype = field.types[0]
         sub = field.types[1] if vtype == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(key, field.contents(), vtype, sub)
+        value = field.contents()
+        pad = vocab - len(src.fields["tokenizer.ggml.tokens"].data)
+        if pad > 0 and key == "tokenizer.ggml.tokens":
+            value = value + [f"[PAD{i}]" for i in range(pad)]
+        elif pad > 0 and key == "tokenizer.ggml.token_type":
+            value = value + [5] * pad  # unused
+        w.add_key_value(key, value, vtype, sub)
     rng = np.random.default_rng(0)
 
     def rand(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float16)
 
-    w.add_tensor("token_embd.weight", rand(cfg["vocab_size"], h))
+    w.add_tensor("token_embd.weight", rand(vocab, h))
     w.add_tensor("output_norm.weight", np.ones(h, np.float32))
-    for i in range(layers):
+    for i in range(n_layers):
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(h, np.float32))
         w.add_tensor(f"blk.{i}.attn_q.weight", rand(heads * head_dim, h))
         w.add_tensor(f"blk.{i}.attn_k.weight", rand(kv * head_dim, h))
@@ -171,49 +219,55 @@ def llama_1b_gguf() -> Path:
     return path
 
 
-def llama_1b_q4_1() -> Path:
-    """llama.cpp's Q4_1 copy of the 1B GGUF (every tensor Q4_1, as ours are all 4-bit)."""
+def llama_quantized(shape: str, layers: int | None, qtype: str) -> Path:
+    """llama.cpp's `qtype` copy ("Q4_0", "Q4_K_M", "Q4_1") of the F16 GGUF, with its default
+    tensor types (as the files people download are made)."""
     import ctypes
 
     import llama_cpp
 
-    path = _bench_dir() / "llama-1b-q4_1.gguf"
+    path = _bench_dir(shape, layers) / f"{qtype}.gguf"
     if path.exists():
         return path
-    src = llama_1b_gguf()
+    src = llama_f16_gguf(shape, layers)
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_1
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{qtype}")
     params.nthread = os.cpu_count() or 1
-    params.pure = True
     tmp = path.with_suffix(".tmp")
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
     if rc != 0:
-        raise SystemExit(f"llama_model_quantize failed ({rc})")
+        raise SystemExit(f"llama_model_quantize {qtype} failed ({rc})")
     tmp.rename(path)
     return path
 
 
-def llama_1b_model_dir(quant: str) -> Path:
-    """Ours: the same GGUF imported (as `localchat pull FILE.gguf` does) and converted."""
+def llama_model_dir(shape: str, layers: int | None, quant: str) -> Path:
+    """Ours: the F16 GGUF (or, for the modes that hold one exactly, llama.cpp's file of that
+    type) imported as `localchat pull FILE.gguf` does, and converted to `quant`."""
     import shutil
 
-    from localchat.engine.build.convert import convert_model
-    from localchat.engine.build.gguf import gguf_to_hf_folder
+    from localchat.engine.build import convert_source
 
-    out = _bench_dir() / f"localchat-{quant}"
+    out = _bench_dir(shape, layers) / f"localchat-{quant}"
     if (out / "localchat-config.json").exists():
         return out
-    hf = _bench_dir() / "hf"
-    if not (hf / "config.json").exists():
-        gguf_to_hf_folder(llama_1b_gguf(), hf, dtype="float16")
     if out.exists():
         shutil.rmtree(out)
-    convert_model(hf, out, quant)
+    src = (llama_quantized(shape, layers, OURS_SOURCE[quant]) if quant in OURS_SOURCE
+           else llama_f16_gguf(shape, layers))
+    convert_source(src, out, quant, scratch_dir=_bench_dir(shape, layers),
+                   context_window_size=CONTEXT)
     return out
 
 
+def long_prompt(encode) -> list[int]:
+    """`LONG_PROMPT` tokens of the benchmark text, repeated as needed."""
+    ids = encode(TEXT)
+    return (ids * (LONG_PROMPT // len(ids) + 1))[:LONG_PROMPT]
+
+
 # -- children ------------------------------------------------------------------------------------
-def run_localchat(shape: str, quant: str) -> dict:
+def run_localchat(shape: str, quant: str, layers: int | None, long: int) -> dict:
     import shutil
     import tempfile
     import time
@@ -229,25 +283,31 @@ def run_localchat(shape: str, quant: str) -> dict:
         del first
         start = time.perf_counter()
         model = Model(
-            model_dir, "cpu", max_total_tokens=2048, prefill_chunk_size=512, max_batch_size=16
+            model_dir, "cpu", max_total_tokens=max(2048, long + 2 * LONG_DECODE),
+            prefill_chunk_size=512, max_batch_size=16,
         )
         return model, compile_s, time.perf_counter() - start
 
-    if shape == "1b":
-        model, compile_s, load_s = load(llama_1b_model_dir(quant))
-        return _measure(model, compile_s, load_s, batches=True)
+    if shape != "smollm2":
+        model_dir = llama_model_dir(shape, layers, quant)
+        model, compile_s, load_s = load(model_dir)
+        result = _measure(model, compile_s, load_s, batches=True, long=long)
+        result["bytes_per_token"] = model_dir_bytes_per_token(model_dir)
+        return result
     # A fresh model directory, so the first load compiles (timed) and the second loads the
     # cached library (timed separately).
     scratch = Path(tempfile.mkdtemp(prefix="bench-"))
     try:
         convert_model(smollm2_hf_dir(), scratch / "m", quant)
         model, compile_s, load_s = load(scratch / "m")
-        return _measure(model, compile_s, load_s, batches=quant.startswith("q4"))
+        result = _measure(model, compile_s, load_s, batches=quant.startswith("q4"), long=long)
+        result["bytes_per_token"] = model_dir_bytes_per_token(scratch / "m")
+        return result
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _measure(model, compile_s: float, load_s: float, batches: bool) -> dict:
+def _measure(model, compile_s: float, load_s: float, batches: bool, long: int) -> dict:
     import time
 
     import numpy as np
@@ -273,6 +333,14 @@ def _measure(model, compile_s: float, load_s: float, batches: bool) -> dict:
         "compile_s": compile_s,
         "load_s": load_s,
     }
+    if long:
+        seq = model.new_sequence()
+        tok = int(np.argmax(model.prefill(seq, long_prompt(model.tokenizer.encode)[:long])))
+        start = time.perf_counter()
+        for _ in range(LONG_DECODE):
+            tok = int(np.argmax(model.decode([seq], [tok])[0]))
+        result["long_decode_tok_s"] = LONG_DECODE / (time.perf_counter() - start)
+        model.remove(seq)
     if batches:
         result["batched"] = {}
         for count in BATCH_SIZES:
@@ -291,7 +359,7 @@ def _measure(model, compile_s: float, load_s: float, batches: bool) -> dict:
     return result
 
 
-def run_llama_cpp(shape: str, threads: int) -> dict:
+def run_llama_cpp(shape: str, threads: int, qtype: str, layers: int | None, long: int) -> dict:
     import time
 
     import llama_cpp
@@ -300,11 +368,11 @@ def run_llama_cpp(shape: str, threads: int) -> dict:
 
     from fixtures import smollm2_gguf
 
-    path = llama_1b_q4_1() if shape == "1b" else smollm2_gguf()
+    path = smollm2_gguf() if shape == "smollm2" else llama_quantized(shape, layers, qtype)
     start = time.perf_counter()
     llm = Llama(
         model_path=str(path),
-        n_ctx=1024,
+        n_ctx=max(1024, long + 2 * LONG_DECODE),
         n_batch=512,
         n_threads=threads,
         n_threads_batch=threads,
@@ -312,31 +380,86 @@ def run_llama_cpp(shape: str, threads: int) -> dict:
     )
     load_s = time.perf_counter() - start
     n_vocab = llm.n_vocab()
-    ids = llm.tokenize(TEXT.encode(), add_bos=False)[:PROMPT_TOKENS]
+
+    def encode(text: str) -> list[int]:
+        return llm.tokenize(text.encode(), add_bos=False)
+
+    def greedy(steps: int) -> float:
+        """Seconds for `steps` greedy decode steps (argmax of the raw logits, as ours does:
+        llm.sample runs a Python sampler chain)."""
+        start = time.perf_counter()
+        for _ in range(steps):
+            logits = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+            tok = int(np.argmax(np.ctypeslib.as_array(logits, shape=(n_vocab,))))
+            llm.eval([tok])
+        return time.perf_counter() - start
+
+    ids = encode(TEXT)[:PROMPT_TOKENS]
     llm.eval(ids[:32])
     llm.reset()
     start = time.perf_counter()
     llm.eval(ids)
     prefill_s = time.perf_counter() - start
-    start = time.perf_counter()
-    for _ in range(DECODE_TOKENS):
-        # Greedy on the raw logits, as ours does (llm.sample runs a Python sampler chain).
-        logits = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
-        tok = int(np.argmax(np.ctypeslib.as_array(logits, shape=(n_vocab,))))
-        llm.eval([tok])
-    decode_s = time.perf_counter() - start
-    return {
+    decode_s = greedy(DECODE_TOKENS)
+    result = {
         "prefill_tok_s": len(ids) / prefill_s,
         "decode_tok_s": DECODE_TOKENS / decode_s,
         "peak_rss_mb": _peak_rss_mb(),
         "compile_s": 0.0,
         "load_s": load_s,
+        "bytes_per_token": gguf_bytes_per_token(path),
     }
+    if long:
+        llm.reset()
+        llm.eval(long_prompt(encode)[:long])
+        result["long_decode_tok_s"] = LONG_DECODE / greedy(LONG_DECODE)
+    return result
+
+
+def smollm2_q4_0_gguf() -> Path:
+    """llama.cpp's Q4_0 file of the real SmolLM2, requantized by `llama_model_quantize` from its
+    Q4_1 GGUF (the one file of it here; the q0f32 reference holds that file's values)."""
+    import ctypes
+
+    import llama_cpp
+
+    from fixtures import cache_dir, smollm2_gguf
+
+    path = cache_dir() / "bench-smollm2" / "SmolLM2-135M-Instruct.Q4_0.gguf"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
+    params.allow_requantize = True
+    params.nthread = os.cpu_count() or 1
+    tmp = path.with_suffix(".tmp")
+    rc = llama_cpp.llama_model_quantize(str(smollm2_gguf()).encode(), str(tmp).encode(),
+                                        ctypes.byref(params))
+    if rc != 0:
+        raise SystemExit(f"llama_model_quantize Q4_0 failed ({rc})")
+    tmp.rename(path)
+    return path
+
+
+def _agreement_model_dir(quant: str) -> Path:
+    """Ours on the real SmolLM2 in `quant`: from its HF folder (the Q4_1 GGUF's values), or, for
+    the modes holding llama.cpp's Q4_0, imported from its Q4_0 GGUF (`smollm2_q4_0_gguf`)."""
+    from localchat.engine.build import convert_source
+
+    from fixtures import cache_dir, converted, smollm2_hf_dir
+
+    if OURS_SOURCE.get(quant) != "Q4_0":
+        return converted(smollm2_hf_dir(), quant)
+    out = cache_dir() / "bench-smollm2" / f"localchat-{quant}"
+    if not (out / "localchat-config.json").exists():
+        convert_source(smollm2_q4_0_gguf(), out, quant, scratch_dir=out.parent)
+    return out
 
 
 def top1_agreement(quants: list[str], steps: int = AGREE_STEPS) -> dict[str, float]:
     """For each of `quants`, the fraction of `steps` greedy steps of q0f32 on the real SmolLM2 at
-    which it, fed the same tokens, picks the same top-1 token."""
+    which it, fed the same tokens, picks the same top-1 token (the Q4_0 modes on its Q4_0 GGUF)."""
     import numpy as np
 
     from localchat.engine.runtime import Model
@@ -354,7 +477,7 @@ def top1_agreement(quants: list[str], steps: int = AGREE_STEPS) -> dict[str, flo
     del ref
     agreement = {}
     for quant in quants:
-        ours = run_teacher_forced(Model(converted(src, quant), "cpu"), prompt, tokens)
+        ours = run_teacher_forced(Model(_agreement_model_dir(quant), "cpu"), prompt, tokens)
         agreement[quant] = float(np.mean([int(np.argmax(o) == t) for o, t in zip(ours, tokens)]))
     return agreement
 
@@ -375,108 +498,151 @@ def child(args: list[str], threads: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _ratio(value: float | None, best: float | None) -> str:
+    return f"{value / best:.2f}" if value and best else "-"
+
+
 def main() -> None:
     global BATCH_SIZES
     parser = argparse.ArgumentParser()
-    parser.add_argument("--shape", choices=("smollm2", "1b", "rwkv3b"), default="smollm2")
+    parser.add_argument("--shape", choices=("smollm2", "1b", "3b", "rwkv3b"), default="smollm2")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="1b / 3b: build this many layers (the figures are then for them)")
     parser.add_argument(
-        "--threads", default=None, help="comma-separated (default: all CPUs; 1b: 1,2)"
+        "--threads", default=None, help="comma-separated (default: all CPUs; 1b, 3b: 1,2)"
     )
     parser.add_argument("--skip-llama-cpp", action="store_true")
     parser.add_argument("--skip-agreement", action="store_true")
     parser.add_argument("--quant", default=None, help="ours: comma-separated modes")
+    parser.add_argument("--peer", default=",".join(PEERS),
+                        help="1b / 3b: llama.cpp's quantizations, comma-separated")
+    parser.add_argument("--long", type=int, default=None,
+                        help=f"tokens before the long-context decode row (default: {LONG_PROMPT} "
+                        "for 1b and 3b, 0 (none) for smollm2)")
     parser.add_argument("--batches", default="1,4,16", help="sequences decoded at once")
     parser.add_argument("--child", default=None)
     args = parser.parse_args()
     BATCH_SIZES = tuple(int(b) for b in args.batches.split(","))
+    synthetic = args.shape in ("1b", "3b")
+    long = args.long if args.long is not None else (LONG_PROMPT if synthetic else 0)
     if args.child:
-        if args.child == "llama.cpp":
-            result = run_llama_cpp(args.shape, int(args.threads))
+        if args.child.startswith("llama.cpp"):
+            qtype = args.child.partition(":")[2]
+            result = run_llama_cpp(args.shape, int(args.threads), qtype, args.layers, long)
         elif args.child == "agree":
             result = {"agreement": top1_agreement(args.quant.split(","))}
         else:
-            result = run_localchat(args.shape, args.child)
+            result = run_localchat(args.shape, args.child, args.layers, long)
         print(json.dumps(result))
         return
     if args.shape == "rwkv3b":
         bench = Path(__file__).resolve().parent / "bench_rwkv.py"
         raise SystemExit(subprocess.call([sys.executable, str(bench), "--quant", "q4f32_1"]))
 
-    default_threads = "1,2" if args.shape == "1b" else str(os.cpu_count() or 2)
+    default_threads = "1,2" if synthetic else str(os.cpu_count() or 2)
     thread_list = [int(t) for t in (args.threads or default_threads).split(",")]
-    quants = (args.quant or ("q4f32_1" if args.shape == "1b" else "q4f32_1,q0f32")).split(",")
-    cfg = LLAMA_1B if args.shape == "1b" else SMOLLM2
-    if args.shape == "1b":  # build the files here, so no child times the building
-        llama_1b_gguf()
-        if not args.skip_llama_cpp:
-            llama_1b_q4_1()
+    default_quants = "q4f32_1,q4f32_0" if synthetic else "q4f32_1,q0f32"
+    quants = (args.quant or default_quants).split(",")
+    peers = [] if args.skip_llama_cpp else (args.peer.split(",") if synthetic else ["Q4_1"])
+    if synthetic:  # build the files here, so no child times the building
+        llama_f16_gguf(args.shape, args.layers)
+        for qtype in {*peers, *(OURS_SOURCE[q] for q in quants if q in OURS_SOURCE)}:
+            llama_quantized(args.shape, args.layers, qtype)
         for quant in quants:
-            llama_1b_model_dir(quant)
+            llama_model_dir(args.shape, args.layers, quant)
 
     from localchat.engine.membw import ReadBandwidth
 
     bw = ReadBandwidth(1 << 30)
-    readers = [q for q in quants if q.startswith("q4")]
-    readers += [] if args.skip_llama_cpp else ["llama.cpp"]
+    layer_args = ["--layers", str(args.layers)] if args.layers else []
+    common = ["--shape", args.shape, "--long", str(long), *layer_args]
 
     def timed(name: str, child_args: list[str], threads: int) -> dict:
         before = bw.sample()
-        result = child(child_args, threads)
+        result = child([*child_args, *common], threads)
         result["read_gb_s"] = (before + bw.sample()) / 2
         result["name"] = name
         return result
 
-    title = "SmolLM2-135M-Instruct" if args.shape == "smollm2" else "Llama 1B shape, random weights"
-    print(
-        f"{title}: prompt {PROMPT_TOKENS} tok, decode {DECODE_TOKENS} tok; weights read per "
-        "token: "
-        + ", ".join(f"{e} {bytes_read_per_token(cfg, e, args.shape) / 1e6:.0f} MB" for e in readers)
-    )
+    titles = {"smollm2": "SmolLM2-135M-Instruct", "1b": "Llama 1B shape, random weights",
+              "3b": "Llama 3.2 3B shape, random weights"}
+    title = titles[args.shape]
+    if args.layers:
+        title += (f" -- {args.layers} of {SHAPES[args.shape]['num_hidden_layers']} layers: the "
+                  f"figures are for {args.layers} layers, not the whole model")
+    print(f"{title}: prompt {PROMPT_TOKENS} tok, decode {DECODE_TOKENS} tok"
+          + (f"; long: decode {LONG_DECODE} tok after a {long}-token prompt" if long else ""))
+    try:
+        import llama_cpp
+
+        features = llama_cpp.llama_print_system_info().decode().strip()
+        print(f"llama.cpp {llama_cpp.__version__} (llama-cpp-python) build: {features}")
+    except ImportError:
+        pass
     header = (
-        f"{'engine':<22}{'thr':>4}{'prefill tok/s':>14}{'decode tok/s':>14}{'read GB/s':>10}"
-        f"{'of roof':>8}{'peak RSS MB':>12}{'compile s':>10}{'load s':>7}{'prefill x':>10}"
-        f"{'decode x':>9}"
+        f"{'engine':<24}{'thr':>4}{'MB/tok':>8}{'prefill':>9}{'decode':>8}{'long dec':>9}"
+        f"{'GB/s':>6}{'of roof':>8}{'RSS MB':>8}{'comp s':>7}{'load s':>7}{'prefill x':>10}"
+        f"{'decode x':>9}{'long x':>7}"
     )
+    print("(tok/s; x: against the fastest llama.cpp row at the same thread count)")
     print(header)
     print("-" * len(header))
-    batched = []
+    batched, everything = [], []
     for threads in thread_list:
-        rows = []
-        if not args.skip_llama_cpp:
-            rows.append(
-                timed("llama.cpp Q4_1", ["--child", "llama.cpp", "--shape", args.shape], threads)
-            )
-        for quant in quants:
-            rows.append(
-                timed(
-                    f"localchat {quant}",
-                    ["--child", quant, "--shape", args.shape, "--batches", args.batches],
-                    threads,
-                )
-            )
-            rows[-1]["quant"] = quant
-        peer = rows[0] if not args.skip_llama_cpp else None
+        rows = [timed(f"llama.cpp {q}", ["--child", f"llama.cpp:{q}"], threads) for q in peers]
         for r in rows:
-            px = f"{r['prefill_tok_s'] / peer['prefill_tok_s']:.2f}" if peer else "-"
-            dx = f"{r['decode_tok_s'] / peer['decode_tok_s']:.2f}" if peer else "-"
+            r["peer"] = True
+        for quant in quants:
+            rows.append(timed(f"localchat {quant}", ["--child", quant, "--batches", args.batches],
+                              threads))
+        peer_rows = [r for r in rows if r.get("peer")]
+        tops = {key: max((r for r in peer_rows if r.get(key)), key=lambda r, k=key: r[k],
+                         default=None)
+                for key in ("prefill_tok_s", "decode_tok_s", "long_decode_tok_s")}
+        for r in rows:
+            r["threads"] = threads
+            cells = [_ratio(r.get(key), top[key] if top else None) for key, top in tops.items()]
             roof = "-"
             if "q0" not in r["name"]:
-                read = bytes_read_per_token(cfg, r.get("quant", "llama.cpp"), args.shape)
-                roof = f"{read * r['decode_tok_s'] / (r['read_gb_s'] * 1e9):.0%}"
+                roof = f"{r['bytes_per_token'] * r['decode_tok_s'] / (r['read_gb_s'] * 1e9):.0%}"
+            longd = f"{r['long_decode_tok_s']:.1f}" if r.get("long_decode_tok_s") else "-"
             print(
-                f"{r['name']:<22}{threads:>4}{r['prefill_tok_s']:>14.1f}{r['decode_tok_s']:>14.1f}"
-                f"{r['read_gb_s']:>10.1f}{roof:>8}{r['peak_rss_mb']:>12.0f}{r['compile_s']:>10.1f}"
-                f"{r['load_s']:>7.2f}{px:>10}{dx:>9}"
+                f"{r['name']:<24}{threads:>4}{r['bytes_per_token'] / 1e6:>8.0f}"
+                f"{r['prefill_tok_s']:>9.1f}{r['decode_tok_s']:>8.1f}{longd:>9}"
+                f"{r['read_gb_s']:>6.1f}{roof:>8}{r['peak_rss_mb']:>8.0f}{r['compile_s']:>7.1f}"
+                f"{r['load_s']:>7.2f}{cells[0]:>10}{cells[1]:>9}{cells[2]:>7}"
             )
             if "batched" in r:
                 batched.append((r["name"], threads, r["batched"]))
+        if peer_rows:
+            named = ", ".join(f"{what} {top['name'].split()[-1]}" for what, top in
+                              zip(("prefill", "decode", "long decode"), tops.values()) if top)
+            print(f"{'':<4}fastest peer at {threads} thread(s): {named}")
+        everything += rows
         sys.stdout.flush()
     if batched:
         print(f"\nbatched decode (tok/s summed over the sequences, {BATCH_STEPS} steps)")
-        print(f"{'engine':<22}{'thr':>4}" + "".join(f"{f'{b} seq':>10}" for b in BATCH_SIZES))
+        print(f"{'engine':<24}{'thr':>4}" + "".join(f"{f'{b} seq':>10}" for b in BATCH_SIZES))
         for name, threads, by_count in batched:
             cells = "".join(f"{by_count[str(b)]:>10.1f}" for b in BATCH_SIZES)
-            print(f"{name:<22}{threads:>4}{cells}")
+            print(f"{name:<24}{threads:>4}{cells}")
+    peer_all = [r for r in everything if r.get("peer")]
+    if peer_all and len(everything) > len(peer_all):
+        print("\neach at its best thread count, against llama.cpp at its best quantization and "
+              "thread count")
+        for key, label in (("prefill_tok_s", "prefill"), ("decode_tok_s", "decode"),
+                           ("long_decode_tok_s", "long decode")):
+            top = max((r for r in peer_all if r.get(key)), key=lambda r, k=key: r[k],
+                      default=None)
+            if top is None:
+                continue
+            line = [f"{label}: peer {top['name'].split()[-1]} {top['threads']}t {top[key]:.1f}"]
+            for quant in quants:
+                mine = [r for r in everything if r["name"] == f"localchat {quant}" and r.get(key)]
+                if mine:
+                    m = max(mine, key=lambda r: r[key])
+                    line.append(f"{quant} {m['threads']}t {m[key]:.1f} ({m[key] / top[key]:.2f}x)")
+            print("  " + "; ".join(line))
     q4 = [q for q in quants if q.startswith("q4")]
     if args.shape == "smollm2" and not args.skip_agreement and q4:
         agree = child(["--child", "agree", "--shape", args.shape, "--quant", ",".join(q4)],

@@ -27,12 +27,13 @@ def check_architecture(hf_config: dict[str, Any]) -> str:
 
 def gguf_weights_dtype(quantization: str) -> str:
     """Precision of the intermediate weights of a GGUF import: float32 for q0f32 and for the
-    asymmetric modes (a Q4_1 block's d * q + m, or a Q8_0 one's d * q, is a float32 that float16
-    would round, and the asymmetric modes are meant to hold them exactly), else float16."""
+    modes that hold a llama.cpp type (a Q4_1 block's d * q + m, a Q4_0 one's (q - 8) * d or a
+    Q8_0 one's d * q is a float32 that float16 would round, and those modes are meant to hold
+    them exactly), else float16."""
     from localchat.engine.build.quantization import QUANT_MODES
 
     mode = QUANT_MODES.get(quantization)
-    if quantization == "q0f32" or (mode is not None and mode.asymmetric):
+    if quantization == "q0f32" or (mode is not None and mode.gguf_type):
         return "float32"
     return "float16"
 
@@ -40,8 +41,8 @@ def gguf_weights_dtype(quantization: str) -> str:
 def gguf_default_quantization(path: Path, device_kind: str) -> str | None:
     """The quantization a .gguf file gets when none is asked for, if the file decides it: on
     the CPU, the mode that holds its weights exactly (`gguf.exact_quantization`: q4f32_asym for
-    a Q4_1 file). None: the usual default applies (also for a file that cannot be read; the
-    import reports that)."""
+    a Q4_1 file, q4f32_0 for a Q4_0 one). None: the usual default applies (also for a file that
+    cannot be read; the import reports that)."""
     if device_kind != "cpu":
         return None
     from localchat.engine.build.gguf import exact_quantization

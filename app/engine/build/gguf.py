@@ -158,11 +158,22 @@ def matrix_types(gf: GGUFFile) -> set[str]:
             if len(t.shape) == 2 and t.name not in _HEAD_TENSORS}
 
 
+# The CPU mode holding each llama.cpp block type exactly (`quantization.QuantMode.gguf_type`).
+_EXACT_MODES = {"Q4_1": "q4f32_asym", "Q4_0": "q4f32_0", "Q4_K": "q4f32_k"}
+
+
 def exact_quantization(path: Path) -> str | None:
     """The CPU quantization mode that holds the file's weights exactly, if one does:
-    "q4f32_asym" when every weight matrix but the embedding / output head is Q4_1 (llama.cpp's
-    Q4_1 files; their Q8_0 head is held exactly too, a Q6_K one to 8 bits). None otherwise."""
-    return "q4f32_asym" if matrix_types(read_gguf(path)) == {"Q4_1"} else None
+    "q4f32_asym" when every weight matrix but the embedding / output head is Q4_1, "q4f32_0"
+    when every one is Q4_0 (llama.cpp's Q4_1 and Q4_0 files; a Q8_0 or Q4_0 embedding / head is
+    held exactly too, a Q6_K one to 8 bits), "q4f32_k" when they are Q4_K, or Q4_K and Q6_K as
+    in Q4_K_M files (the Q4_K blocks exactly; the Q6_K matrices, a few attn_v and ffn_down,
+    re-quantized to 4 bits). The import dequantizes to float32 and the mode's quantizer finds
+    each group's block parameters again (`quantization`). None otherwise."""
+    types = matrix_types(read_gguf(path))
+    if "Q4_K" in types and types <= {"Q4_K", "Q6_K"}:
+        return "q4f32_k"
+    return _EXACT_MODES.get(types.pop()) if len(types) == 1 else None
 
 
 # -- config ----------------------------------------------------------------------------------

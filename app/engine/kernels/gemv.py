@@ -587,13 +587,17 @@ def gemv_q4_vnni_macro(
 
 @functools.cache  # parsing the TVMScript is most of a model's export time
 def gemv_q4(
-    k: int, n: int, dtype: str, avx512: bool | str = False, bias: bool = False, asym: bool = False
+    k: int, n: int, dtype: str, avx512: bool | str = False, bias: bool = False, asym: bool = False,
+    scale_dtype: str | None = None,
 ) -> tirx.PrimFunc:
     """y[m, n] = x[m, k] @ dequant(W[n, kp/8], S[n, kp/32])^T (+ b), m small (decode); kp =
     `padded_k(k)`, the stored width (columns past k are padding).
 
-    `asym`: the asymmetric modes' weights, value q * scale + min, S [n, 2 kp/32] float16 with
-    each group's scale and min side by side; otherwise (q - 8) * S with S of `dtype`.
+    `asym`: the asymmetric modes' weights, value q * scale + min, S [n, 2 kp/32] of
+    `scale_dtype` (default float16; float32 in q4f32_k) with each group's scale and min side by
+    side; otherwise (q - 8) * S with S of `scale_dtype` (default `dtype`; float16 in the modes
+    holding llama.cpp's Q4_0). Every kernel reads the group parameters through a conversion to
+    float32, so only the buffer's type changes.
     `avx512`: True: unpack with a table lookup (the target must have AVX-512F;
     `common.has_avx512`); "vnni": int8 activations and VNNI dot products (`gemv_q4_vnni_macro`;
     the target must have AVX-512 VNNI, `common.has_avx512_vnni`), results within int8 rounding of
@@ -603,7 +607,8 @@ def gemv_q4(
     (k = 512: 34 vs 24 us, Zen 4, 2 threads)."""
     body = gemv_q4_macro(k, n, dtype, bias, avx512, asym)
     kw, kg = padded_k(k) // NIBBLES_PER_WORD, padded_k(k) // GROUP_SIZE
-    ks, sdt = (2 * kg, "float16") if asym else (kg, dtype)  # the group parameters
+    # the group parameters
+    ks, sdt = (2 * kg, scale_dtype or "float16") if asym else (kg, scale_dtype or dtype)
 
     if bias:
 

@@ -29,6 +29,7 @@ import functools
 from tvm import tirx
 from tvm.script import tirx as T
 
+from localchat.engine.kernels import gemm
 from localchat.engine.kernels.common import (
     GROUP_SIZE,
     LANES,
@@ -42,22 +43,27 @@ COL_TILE = 4  # rows of W per register tile
 COL_BLOCK = 16  # rows of W a thread owns at once (dequantized into scratch)
 
 
-@functools.cache  # parsing the TVMScript is most of a model's export time
 def linear_f(k: int, n: int, dtype: str, bias: bool) -> tirx.PrimFunc:
-    """Y[m, n] = X[m, k] @ W[n, k]^T (+ b) with float weights of `dtype`, fp32 accumulation."""
-    return _linear(k, n, dtype, bias, quantized=False)
+    """Y[m, n] = X[m, k] @ W[n, k]^T (+ b) with float weights of `dtype`, fp32 accumulation:
+    the register-blocked outer-product GEMM of `gemm.gemm_f` (2-4x the dot-product kernel of
+    `_linear` in bench/bench_gemm.py; each row's bits still do not depend on the other rows)."""
+    return gemm.gemm_f(k, n, dtype, bias)
 
 
 @functools.cache  # parsing the TVMScript is most of a model's export time
-def linear_q4(k: int, n: int, dtype: str, bias: bool, asym: bool = False) -> tirx.PrimFunc:
+def linear_q4(
+    k: int, n: int, dtype: str, bias: bool, asym: bool = False, scale_dtype: str | None = None
+) -> tirx.PrimFunc:
     """Y[m, n] = X[m, k] @ dequant(Wq[n, kp/8], S[n, kp/32])^T (+ b), kp = `padded_k(k)`,
     dequantized in-kernel. `asym`: the asymmetric modes' weights, q * scale + min, S [n, 2 kp/32]
-    float16 holding each group's scale and min side by side."""
-    return _linear(k, n, dtype, bias, quantized=True, asym=asym)
+    holding each group's scale and min side by side; otherwise (q - 8) * S. S is of
+    `scale_dtype` (default: float16 with `asym`, else `dtype`), read through a conversion."""
+    return _linear(k, n, dtype, bias, quantized=True, asym=asym, scale_dtype=scale_dtype)
 
 
 def _linear(
-    k: int, n: int, dtype: str, bias: bool, quantized: bool, asym: bool = False
+    k: int, n: int, dtype: str, bias: bool, quantized: bool, asym: bool = False,
+    scale_dtype: str | None = None,
 ) -> tirx.PrimFunc:
     kp = padded_k(k) if quantized else k  # the stored width of a weight row
     kw = kp // NIBBLES_PER_WORD
@@ -159,7 +165,8 @@ def _linear(
                 for jt in range(nb // ct):
                     tile(x, wbuf, y, b, m - m % ROW_TILE + it, 1, jo * nb, jt * ct)
 
-    ks, sdt = (2 * kg, "float16") if asym else (kg, dtype)  # the group parameters
+    # the group parameters
+    ks, sdt = (2 * kg, scale_dtype or "float16") if asym else (kg, scale_dtype or dtype)
     if quantized and bias:
 
         @T.prim_func(private=True)

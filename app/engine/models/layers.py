@@ -14,10 +14,13 @@ A 4-bit weight whose reduction size is not a multiple of the group size is store
 groups (`quantization.padded_k`); every kernel and the GPU dequantize read only the real columns,
 so the padding is invisible outside the stored layout.
 
-In the asymmetric modes a 4-bit weight's `scale` holds each group's float16 scale and min side by
-side, and the token embedding and the LM head are 8-bit (int8 values, a float16 scale per group:
-`quantization.quantize_q8`), run by `gemv.gemv_q8`; an int8 weight is the 8-bit layout, so
-`linear` needs no flag beyond the mode.
+In the asymmetric modes a 4-bit weight's `scale` holds each group's scale and min side by side
+(float16; float32 in q4f32_k), and in every mode that holds a llama.cpp type (`QuantMode.gguf_type`:
+the asymmetric ones, q4f32_0 / q4f16_0) the token embedding and the LM head are 8-bit (int8
+values, a float16 scale per group: `quantization.quantize_q8`), run by `gemv.gemv_q8`; an int8
+weight is the 8-bit layout, so `linear` needs no flag beyond the mode. The kernels get the group
+parameters' type from the mode (`QuantMode.group_dtype`: q4f32_0's scales are float16 under
+float32 activations).
 """
 
 from __future__ import annotations
@@ -82,7 +85,8 @@ def _dequant_value(
             row, 2 * group + 1
         ].astype("float32")
         return value.astype(dtype)
-    return (nibble.astype("int32") - 8).astype(dtype) * scale[row, group]
+    # the scale may be float16 under float32 activations (the modes holding llama.cpp's Q4_0)
+    return (nibble.astype("int32") - 8).astype(dtype) * scale[row, group].astype(dtype)
 
 
 def _quantized_params(
@@ -94,7 +98,8 @@ def _quantized_params(
     kp = padded_k(cols)
     groups = kp // GROUP_SIZE
     if head and mode.head_bits == 8:
-        return nn.Parameter((rows, kp), Q8_DTYPE), nn.Parameter((rows, groups), mode.group_dtype)
+        # the 8-bit layout's scales are float16 in every mode (`quantization.quantize_q8`)
+        return nn.Parameter((rows, kp), Q8_DTYPE), nn.Parameter((rows, groups), "float16")
     per_group = 2 if mode.asymmetric else 1
     return (
         nn.Parameter((rows, kp // NIBBLES_PER_WORD), "uint32"),
@@ -146,6 +151,7 @@ def linear(
     lead = list(x.shape[:-1])
     q8 = mode.quantized and weight.dtype == Q8_DTYPE
     asym = mode.asymmetric and not q8
+    sdt = mode.group_dtype if mode.quantized else None  # the 4-bit scales' type
     if target_kind == "llvm":
         rows = 1
         for d in lead:
@@ -157,16 +163,18 @@ def linear(
             func_is_gemv = True
             func = gemv_kernels.gemv_q8(int(k), int(n), mode.dtype, avx512, bias is not None)
         elif gemv and mode.quantized:
-            func = gemv_kernels.gemv_q4(int(k), int(n), mode.dtype, avx512, bias is not None, asym)
+            func = gemv_kernels.gemv_q4(int(k), int(n), mode.dtype, avx512, bias is not None, asym,
+                                        sdt)
         elif gemv and bias is None:
             func = gemv_kernels.gemv_f(int(k), int(n), mode.dtype)
         elif mode.quantized and avx512 == "vnni":
             # prefill too: with int8 x and VNNI the GEMV's row blocks beat the float blocked
             # kernel 2-2.5x at 128 rows, and a row's bits still do not depend on the others
             func_is_gemv = True
-            func = gemv_kernels.gemv_q4(int(k), int(n), mode.dtype, avx512, bias is not None, asym)
+            func = gemv_kernels.gemv_q4(int(k), int(n), mode.dtype, avx512, bias is not None, asym,
+                                        sdt)
         elif mode.quantized:
-            func = matmul.linear_q4(int(k), int(n), mode.dtype, bias is not None, asym)
+            func = matmul.linear_q4(int(k), int(n), mode.dtype, bias is not None, asym, sdt)
         else:
             func = matmul.linear_f(int(k), int(n), mode.dtype, bias is not None)
         args = (

@@ -1,0 +1,236 @@
+"""A register-blocked outer-product GEMM for the CPU: prefill and encoder linear layers.
+
+Y[m, n] = X[m, k] @ W[n, k]^T (+ b), W "NT" (row-major [n, k]) in float32/float16 or in the 4-bit
+group layouts of `build.quantization`. The scheme is BLIS's: the work is split into tasks of
+(MC rows of X) x (NB rows of W), run in parallel; a task walks K in blocks of KC and, per block,
+
+* packs its W block K-major, [NB / NR, KC, NR] float32 (dequantizing 4-bit weights on the way),
+  so the NR outputs of a micro-panel are one contiguous vector per k;
+* reads its X rows in place when they are float32 (the MR rows a micro-kernel walks, MR x KC
+  floats, stay in L1), or converts them once per block into a float32 scratch [MC, KC];
+* runs the micro-kernel: MR rows x NR columns of accumulators (6 x 16 floats: 12 ymm registers
+  with AVX2, 6 zmm with AVX-512) held in registers across the block, each k one broadcast of
+  x[i, k] per row and one FMA per accumulator vector. The accumulators live in a float32 scratch
+  C [MC, NB] between K blocks (a store and a reload are exact).
+
+Bit-identical rows whatever m is: every output y[i, j] is one float32 accumulator that starts at
+0 and takes x[i, k] * w[j, k] for k = 0, 1, ..., K-1 in that order (the K blocks split the same
+chain; nothing is ever summed across lanes), then adds the bias. Rows that do not fill a tile of
+MR run the same chain one row at a time, so where a row lands (which task, which tile, a tail or
+not) changes nothing in its bits. Columns past n in the last W block are packed as zeros and
+never written back.
+
+All tile sizes are compile-time constants, independent of m and of the target: on AVX-512 the
+16-float vector is one zmm, on AVX2 two ymm (the LLVM output is checked for vfmadd on ymm/zmm and
+for no gathers in tests/test_gemm_cpu.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from localchat.engine.kernels.common import GROUP_SIZE, NIBBLES_PER_WORD, padded_k, scheduled
+
+F32 = "float32"
+MR = 6  # rows of X per micro-kernel
+NR = 16  # columns (rows of W) per micro-kernel: one float32 vector of 16 lanes
+NB = 64  # columns per task: NB / NR micro-panels, packed together per K block
+MC = 80 * MR  # rows of X per task (a multiple of MR): one packed W block serves them all
+KC = 256  # reduction block: a packed micro-panel (KC x NR) stays in L1 across the row tiles
+
+
+@functools.cache  # parsing the TVMScript is most of a model's export time
+def gemm_f(k: int, n: int, dtype: str, bias: bool) -> tirx.PrimFunc:
+    """Y[m, n] = X[m, k] @ W[n, k]^T (+ b), float weights of `dtype`, fp32 accumulation.
+    Arguments (x [m, k], w [n, k], [b [n]], y [m, n]), all of `dtype`."""
+    return _gemm(k, n, dtype, bias, "float")
+
+
+@functools.cache
+def gemm_q4(
+    k: int, n: int, dtype: str, bias: bool, asym: bool = False, scale_dtype: str | None = None
+) -> tirx.PrimFunc:
+    """Y[m, n] = X[m, k] @ dequant(Wq[n, kp/8], S)^T (+ b), kp = `padded_k(k)`: symmetric
+    (q - 8) * scale with S [n, kp/32] of `scale_dtype` (default `dtype`), or with `asym`
+    q * scale + min with S [n, 2 kp/32] float16 (scale and min side by side). The arguments of
+    `matmul.linear_q4`."""
+    return _gemm(k, n, dtype, bias, "q4_asym" if asym else "q4", scale_dtype)
+
+
+def _nibble(w, j, kk):
+    """Nibble kk of row j of the packed words w, as int32."""
+    return T.Cast(
+        "int32",
+        T.bitwise_and(
+            T.shift_right(
+                w[j, kk // NIBBLES_PER_WORD], T.Cast("uint32", kk % NIBBLES_PER_WORD * 4)
+            ),
+            T.uint32(15),
+        ),
+    )
+
+
+def _gemm(
+    k: int, n: int, dtype: str, bias: bool, kind: str, scale_dtype: str | None = None
+) -> tirx.PrimFunc:
+    nb = min(NB, -(-n // NR) * NR)  # columns per task, a multiple of NR
+    npan = nb // NR
+    nblocks = -(-n // nb)
+    last = n - (nblocks - 1) * nb  # valid columns of the last block
+    kc = min(KC, k)
+    nkb, ktail = divmod(k, kc)
+    kp = padded_k(k)
+    kw, kg = kp // NIBBLES_PER_WORD, kp // GROUP_SIZE
+
+    if kind == "float":
+
+        def value(w, s, j, kk):
+            return T.Cast(F32, w[j, kk])
+
+    elif kind == "q4":
+
+        def value(w, s, j, kk):
+            return T.Cast(F32, _nibble(w, j, kk) - 8) * T.Cast(F32, s[j, kk // GROUP_SIZE])
+
+    else:
+
+        def value(w, s, j, kk):
+            g = kk // GROUP_SIZE * 2
+            return T.Cast(F32, _nibble(w, j, kk)) * T.Cast(F32, s[j, g]) + T.Cast(F32, s[j, g + 1])
+
+    @T.macro
+    def pack_w(wp, w, s, j0, cols, k0, klen):
+        # rows of W along k (contiguous reads), each into column e of its micro-panel
+        for jj, kk in T.grid(cols, klen):
+            wp[jj // NR, kk, jj % NR] = value(w, s, j0 + jj, k0 + kk)
+        for jj, kk in T.grid(nb - cols, klen):
+            wp[(cols + jj) // NR, kk, (cols + jj) % NR] = T.float32(0)
+
+    direct = dtype == F32  # float32 X is read in place; other types are converted per block
+
+    @T.macro
+    def pack_x(xp, x, r0, rows, k0, klen):
+        if not direct:
+            for i in range(rows):
+                for kk in T.vectorized(klen):
+                    xp[i, kk] = T.Cast(F32, x[r0 + i, k0 + kk])
+
+    def xv(x, xp, r0, i, k0, kk):
+        """x[r0 + i, k0 + kk] as float32 (i counts rows from the task's first)."""
+        if direct:
+            return x[r0 + i, k0 + kk]
+        return xp[i, kk]
+
+    @T.macro
+    def micro(x, xp, wp, cb, r0, k0, t, rows, i0, jr, klen):
+        # rows x NR accumulators; the loops are unrolled so LLVM keeps `acc` in registers
+        acc = T.alloc_buffer((MR, NR), F32)
+        for ii in T.unroll(rows):
+            for e in T.vectorized(NR):
+                acc[ii, e] = cb[t * MR + i0 + ii, jr * NR + e]
+        for kk in range(klen):
+            for ii in T.unroll(rows):
+                for e in T.vectorized(NR):
+                    acc[ii, e] = (
+                        acc[ii, e] + xv(x, xp, r0, t * MR + i0 + ii, k0, kk) * wp[jr, kk, e]
+                    )
+        for ii in T.unroll(rows):
+            for e in T.vectorized(NR):
+                cb[t * MR + i0 + ii, jr * NR + e] = acc[ii, e]
+
+    @T.macro
+    def block(x, w, s, xp, wp, cb, r0, rows, j0, cols, k0, klen):
+        pack_w(wp, w, s, j0, cols, k0, klen)
+        pack_x(xp, x, r0, rows, k0, klen)
+        for jr in range(npan):
+            for t in range(rows // MR):
+                micro(x, xp, wp, cb, r0, k0, t, MR, 0, jr, klen)
+            for i in range(rows % MR):  # the tail rows, one at a time: the same chain per row
+                micro(x, xp, wp, cb, r0, k0, rows // MR, 1, i, jr, klen)
+
+    def out(cb, b, i, j0, jj):
+        v = cb[i, jj]
+        if bias:
+            v = v + T.Cast(F32, b[j0 + jj])
+        return T.Cast(dtype, v)
+
+    @T.macro
+    def write(cb, b, y, r0, rows, j0, cols):
+        for i in range(rows):
+            for jv in range(cols // NR):
+                for e in T.vectorized(NR):
+                    y[r0 + i, j0 + jv * NR + e] = out(cb, b, i, j0, jv * NR + e)
+            for e in range(cols % NR):
+                y[r0 + i, j0 + cols // NR * NR + e] = out(cb, b, i, j0, cols // NR * NR + e)
+
+    @T.macro
+    def task(x, w, s, b, y, r0, rows, j0, cols):
+        cb = T.alloc_buffer((MC, nb), F32)
+        xp = T.alloc_buffer((MC if not direct else 1, kc), F32)
+        wp = T.alloc_buffer((npan, kc, NR), F32)
+        for i in range(rows):
+            for e in T.vectorized(nb):
+                cb[i, e] = T.float32(0)
+        for kb in range(nkb):
+            block(x, w, s, xp, wp, cb, r0, rows, j0, cols, kb * kc, kc)
+        if ktail > 0:
+            block(x, w, s, xp, wp, cb, r0, rows, j0, cols, nkb * kc, ktail)
+        write(cb, b, y, r0, rows, j0, cols)
+
+    @T.macro
+    def body(var_x, w, s, b, var_y):
+        m = T.int64()
+        x = T.match_buffer(var_x, (m, k), dtype)
+        y = T.match_buffer(var_y, (m, n), dtype)
+        # row chunk major: consecutive tasks of a thread share the X rows it packs
+        for t in T.parallel((m + MC - 1) // MC * nblocks):
+            if t % nblocks < nblocks - 1:
+                task(x, w, s, b, y, t // nblocks * MC, T.min(MC, m - t // nblocks * MC),
+                     t % nblocks * nb, nb)
+            else:
+                task(x, w, s, b, y, t // nblocks * MC, T.min(MC, m - t // nblocks * MC),
+                     (nblocks - 1) * nb, last)
+
+    ks, sdt = (2 * kg, "float16") if kind == "q4_asym" else (kg, scale_dtype or dtype)
+    quantized = kind != "float"
+    if quantized and bias:
+
+        @T.prim_func(private=True)
+        def func(
+            var_x: T.handle,
+            w: T.Buffer((n, kw), "uint32"),
+            s: T.Buffer((n, ks), sdt),
+            b: T.Buffer((n,), dtype),
+            var_y: T.handle,
+        ):
+            body(var_x, w, s, b, var_y)
+
+    elif quantized:
+
+        @T.prim_func(private=True)
+        def func(
+            var_x: T.handle,
+            w: T.Buffer((n, kw), "uint32"),
+            s: T.Buffer((n, ks), sdt),
+            var_y: T.handle,
+        ):
+            body(var_x, w, s, None, var_y)
+
+    elif bias:
+
+        @T.prim_func(private=True)
+        def func(
+            var_x: T.handle, w: T.Buffer((n, k), dtype), b: T.Buffer((n,), dtype), var_y: T.handle
+        ):
+            body(var_x, w, None, b, var_y)
+
+    else:
+
+        @T.prim_func(private=True)
+        def func(var_x: T.handle, w: T.Buffer((n, k), dtype), var_y: T.handle):
+            body(var_x, w, None, None, var_y)
+
+    return scheduled(func)

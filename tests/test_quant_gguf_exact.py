@@ -1,0 +1,360 @@
+"""The modes that hold llama.cpp's Q4_0 exactly (q4f32_0, q4f16_0): value (q - 8) * d per group of
+32, d float16 (18 bytes per 32 weights, as a Q4_0 block), the embedding and LM head 8-bit.
+
+A GGUF import dequantizes to float32 and re-quantizes: the quantizer must find every block's d and
+nibbles again (llama.cpp's own files, and groups whose extreme value is not q = 0, as an
+importance-weighted quantizer writes them), and quantize float weights as llama.cpp's reference
+does. A tiny Llama written as an F32 GGUF and quantized by llama.cpp itself
+(`llama_cpp.llama_model_quantize`) is imported by default as q4f32_0, its stored 4-bit weights
+dequantize to exactly what `gguf.quants.dequantize` gives, and it generates greedily as the q0f32
+import of the same file does. The kernels read the float16 scales: they must equal numpy on the
+dequantized weights.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from localchat.engine.build.quantization import (
+    dequantize_q4,
+    dequantize_q8,
+    get_quant_mode,
+    quantize_q4_0,
+    quantize_weight,
+)
+from localchat.errors import QuantizationError
+
+from model_oracle import rel_err
+
+
+def _q4_0_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's reference Q4_0 (gguf-py's) of `w`: (float16 d [N, K/32], nibbles [N, K])."""
+    from gguf import GGMLQuantizationType, quants
+
+    raw = quants.quantize(w, GGMLQuantizationType.Q4_0).reshape(-1, 18)
+    d = raw[:, :2].copy().view(np.float16).reshape(w.shape[0], -1)
+    qs = raw[:, 2:]
+    nibbles = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(w.shape)
+    return d, nibbles.astype(np.int32)
+
+
+def _nibbles(words: np.ndarray) -> np.ndarray:
+    shifts = np.arange(8, dtype=np.uint32) * 4
+    return ((words[..., None] >> shifts) & 15).astype(np.int32).reshape(words.shape[0], -1)
+
+
+def test_float_weights_quantize_to_llama_cpp_reference_bits() -> None:
+    """From float weights, the same d and nibbles as llama.cpp's quantize_row_q4_0_ref."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((48, 256), dtype=np.float32) * 0.05
+    w[3, :32] = 0  # an all-zero group: d = 0, nibble 8
+    w[5] *= 300
+    w[7, 40] = -2.5  # a negative extreme: d > 0
+    words, d = quantize_q4_0(w)
+    want_d, want_q = _q4_0_blocks(w)
+    assert words.dtype == np.uint32 and words.shape == (48, 32)
+    assert d.dtype == np.float16 and d.shape == (48, 8)
+    assert np.array_equal(d.view(np.uint16), want_d.view(np.uint16))
+    assert np.array_equal(_nibbles(words), want_q)
+    assert d[3, 0] == 0 and (_nibbles(words)[3, :32] == 8).all()
+    assert d[7, 1] > 0
+
+
+def test_q4_0_blocks_round_trip_exactly() -> None:
+    """Weights dequantized from Q4_0 blocks quantize back to blocks with the very same values:
+    llama.cpp's own (its extreme at q = 0) and others (no q = 0 in the group, either sign of d,
+    a zero group), which a plain re-quantization would round differently."""
+    from gguf import GGMLQuantizationType, quants
+
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((32, 512), dtype=np.float32) * 0.03
+    kind = GGMLQuantizationType.Q4_0
+    from_file = quants.dequantize(quants.quantize(w, kind), kind).reshape(w.shape)
+    words, d = quantize_q4_0(from_file)
+    assert np.array_equal(dequantize_q4(words, d), from_file)
+    assert np.array_equal(d.view(np.uint16), _q4_0_blocks(w)[0].view(np.uint16))
+
+    q = rng.integers(1, 16, (32, 16, 32))  # never 0: the extreme is at most 7 |d|
+    q[:, :, 0] = rng.integers(9, 16, (32, 16))  # ... and sometimes positive
+    scales = (rng.standard_normal((32, 16)) * 0.01).astype(np.float16)
+    scales[0, 0] = 0
+    other = ((q - 8) * scales.astype(np.float32)[..., None]).reshape(32, 512).astype(np.float32)
+    words, d = quantize_q4_0(other)
+    assert np.array_equal(dequantize_q4(words, d), other)
+    # what llama.cpp's rounding alone would give is not exact for most of these groups
+    naive = quants.dequantize(quants.quantize(other, kind), kind).reshape(other.shape)
+    assert not np.array_equal(naive, other)
+
+
+def test_mode_layout_and_padding() -> None:
+    """q4f32_0: 4-bit words and float16 scales, 8-bit head, like llama.cpp's Q4_0 files; a K
+    that is not a multiple of 32 pads with zero weights (nibble 8)."""
+    mode = get_quant_mode("q4f32_0")
+    assert mode.bits == 4 and not mode.asymmetric and mode.gguf_type == "Q4_0"
+    assert mode.group_dtype == "float16" and mode.head_bits == 8
+    assert get_quant_mode("q4f16_0").dtype == "float16"
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((4, 40), dtype=np.float32)
+    parts = quantize_weight(w, mode)
+    assert parts["weight"].shape == (4, 8) and parts["scale"].shape == (4, 2)
+    assert (_nibbles(parts["weight"])[:, 40:] == 8).all()
+    back = dequantize_q4(parts["weight"], parts["scale"], 40)
+    assert np.abs(back - w).max() <= np.abs(parts["scale"]).astype(np.float32).max() / 2 + 1e-6
+    with pytest.raises(QuantizationError, match="float16"):
+        quantize_q4_0(np.array([[0.0] * 31 + [1e6]], np.float32))
+
+
+@pytest.mark.parametrize("k,n,bias", [(576, 24, True), (344, 12, False), (9, 7, True)])
+def test_kernels_read_float16_scales(k: int, n: int, bias: bool) -> None:
+    """The decode GEMV (the variant this CPU runs, and the generic one) and the prefill matmul
+    with float16 scales equal numpy on the dequantized weights, to float rounding."""
+    from test_quant_asym import _check, _compile
+
+    from localchat.engine.device import cpu_target
+    from localchat.engine.kernels import gemv, matmul
+    from localchat.engine.kernels.common import gemv_isa
+
+    rng = np.random.default_rng(k + n)
+    w = rng.standard_normal((n, k), dtype=np.float32) * 0.05
+    words, d = quantize_q4_0(w)
+    dense = dequantize_q4(words, d, k)
+    b = rng.standard_normal(n).astype(np.float32) if bias else None
+    isa = gemv_isa(cpu_target())
+    funcs = {
+        "generic": gemv.gemv_q4(k, n, "float32", False, bias, scale_dtype="float16"),
+        "linear_q4": matmul.linear_q4(k, n, "float32", bias, scale_dtype="float16"),
+    }
+    if isa:
+        funcs["isa"] = gemv.gemv_q4(k, n, "float32", isa, bias, scale_dtype="float16")
+    lib = _compile(funcs)
+    x = rng.standard_normal((6, k), dtype=np.float32)
+    kernels = {name: ((words, d), dense) for name in funcs}
+    # the VNNI GEMV rounds x to int8 per group (~1e-3 relative)
+    _check(lib, kernels, x, b, n, 2e-2 if isa == "vnni" else 1e-5)
+
+
+# -- a GGUF quantized by llama.cpp -----------------------------------------------------------
+def _llama_cpp_quantize(src: Path, dest: Path, ftype: str) -> Path:
+    llama_cpp = pytest.importorskip("llama_cpp")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    params.nthread = 1
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dest).encode(),
+                                        ctypes.byref(params))
+    assert rc == 0, f"llama_model_quantize {ftype} failed ({rc})"
+    return dest
+
+
+@pytest.fixture(scope="module")
+def q4_0_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama (tests/hub_server's) written as an F32 GGUF, quantized by llama.cpp to Q4_0."""
+    from test_gguf import write_llama_gguf
+
+    from hub_server import tiny_llama_folder
+
+    tmp = tmp_path_factory.mktemp("q4_0")
+    f32 = write_llama_gguf(tiny_llama_folder(tmp / "tiny-llama"), tmp / "tiny-f32.gguf")
+    return _llama_cpp_quantize(f32, tmp / "tiny-q4_0.gguf", "Q4_0")
+
+
+def test_q4_0_gguf_is_held_exactly_and_generates(q4_0_gguf: Path, tmp_path: Path) -> None:
+    """llama.cpp's Q4_0 file converts by default (CPU) to q4f32_0; every 4-bit parameter
+    dequantizes to exactly llama.cpp's dequantization of the file's blocks (fused and with Q/K
+    rows put back in HF's order), so does the 8-bit embedding (Q4_0 in the file), and the
+    model's greedy tokens and logits are those of the
+    q0f32 import of the same file (which holds the dequantized values as they are)."""
+    import tvm
+    import tvm.contrib.tvmjs as tvmjs
+
+    from localchat.engine import build
+    from localchat.engine.build import gguf as lg
+    from localchat.engine.build.weights import open_weights
+    from localchat.engine.models import detect_architecture
+    from localchat.engine.runtime import Model
+
+    assert lg.matrix_types(lg.read_gguf(q4_0_gguf)) == {"Q4_0"}
+    assert build.gguf_default_quantization(q4_0_gguf, "cpu") == "q4f32_0"
+    assert build.gguf_weights_dtype("q4f32_0") == "float32"
+
+    out = build.convert_source(q4_0_gguf, tmp_path / "q4", "q4f32_0", scratch_dir=tmp_path)
+    params, _ = tvmjs.load_tensor_cache(str(out), tvm.cpu())
+    params = {name: value.numpy() for name, value in params.items()}
+    hf = lg.gguf_to_hf_folder(q4_0_gguf, tmp_path / "hf")  # gguf.quants.dequantize, unpermuted
+    config = lg.hf_config(lg.read_gguf(q4_0_gguf))
+    arch = detect_architecture(config)
+    checked = 0
+    with open_weights(hf) as weights:
+        for name, value in arch.hf_params(arch.config_from_hf(config), weights.get,
+                                          weights.names):
+            if name == "model.embed_tokens.weight":  # Q4_0 in the file, held in 8 bits
+                got = dequantize_q8(params[name], params["model.embed_tokens.scale"])
+                assert np.array_equal(got, np.asarray(value, np.float32))
+            if name not in params or params[name].dtype != np.uint32:
+                continue
+            scale = params[name[: -len("weight")] + "scale"]
+            assert scale.dtype == np.float16
+            got = dequantize_q4(params[name], scale, value.shape[1])
+            assert np.array_equal(got, np.asarray(value, np.float32)), name
+            checked += 1
+    assert checked == 2 * 4  # per layer: fused qkv, o, fused gate/up, down
+    # the untied head and the embedding are 8-bit
+    assert params["lm_head.weight"].dtype == np.int8
+
+    ref_dir = build.convert_source(q4_0_gguf, tmp_path / "f32", "q0f32", scratch_dir=tmp_path)
+    q4, ref = Model(out, "cpu"), Model(ref_dir, "cpu")
+    prompt = q4.tokenizer.encode("hello world, the lighthouse")
+    # q0f32 greedy; q4f32_0 fed the same tokens
+    seq = ref.new_sequence()
+    want = [ref.prefill(seq, prompt)]
+    tokens = [int(np.argmax(want[-1]))]
+    for _ in range(7):
+        want.append(ref.decode([seq], [tokens[-1]])[0])
+        tokens.append(int(np.argmax(want[-1])))
+    seq = q4.new_sequence()
+    got = [q4.prefill(seq, prompt)] + [q4.decode([seq], [t])[0] for t in tokens[:-1]]
+    # the same weights (the file's Q8_0 head is held exactly too); the kernels' summation order,
+    # or with VNNI int8 activations, make the only difference
+    assert rel_err(np.stack(got), np.stack(want)) < 2e-2
+    for step, (a, b) in enumerate(zip(got, want)):
+        top2 = np.sort(b)[-2:]
+        if top2[1] - top2[0] > 2 * np.abs(a - b).max():  # not a near-tie: the same token
+            assert int(np.argmax(a)) == tokens[step], step
+    assert len(set(tokens)) > 1
+
+
+# -- Q4_K (Q4_K_M files) ---------------------------------------------------------------------
+def test_q4_k_blocks_round_trip_exactly_and_floats_quantize() -> None:
+    """Groups dequantized from Q4_K blocks as llama.cpp's dequantization computes them (d * sc *
+    q - dmin * m, float32) quantize back to the same values in q4f32_k's float32 scale and min;
+    float weights get min = the group's min, scale = (max - min) / 15."""
+    from localchat.engine.build.quantization import quantize_q4_k
+
+    rng = np.random.default_rng(3)
+    n, blocks = 16, 4  # super-blocks of 256 per row
+    d = (rng.random((n, blocks, 1)) * 0.01).astype(np.float16).astype(np.float32)
+    dmin = (rng.random((n, blocks, 1)) * 0.01).astype(np.float16).astype(np.float32)
+    sc = rng.integers(0, 64, (n, blocks, 8)).astype(np.float32)
+    m = rng.integers(0, 64, (n, blocks, 8)).astype(np.float32)
+    q = rng.integers(0, 16, (n, blocks, 8, 32)).astype(np.float32)
+    q[..., 0] = 0  # llama.cpp's groups have their min at q = 0
+    q[:, :, :4, 1] = 15  # some reach 15, the others stop lower
+    w = ((d * sc)[..., None] * q - (dmin * m)[..., None]).astype(np.float32).reshape(n, -1)
+    words, scale_min = quantize_q4_k(w)
+    assert scale_min.dtype == np.float32 and scale_min.shape == (n, 2 * blocks * 8)
+    assert np.array_equal(dequantize_q4(words, scale_min, asymmetric=True), w)
+
+    f = rng.standard_normal((8, 96), dtype=np.float32)
+    words, scale_min = quantize_q4_k(f)
+    scale, low = scale_min[:, 0::2], scale_min[:, 1::2]
+    assert np.array_equal(low, f.reshape(8, 3, 32).min(axis=-1))
+    back = dequantize_q4(words, scale_min, 96, asymmetric=True)
+    assert np.abs(back - f).max() <= scale.max() / 2 * 1.001
+    mode = get_quant_mode("q4f32_k")
+    assert mode.asymmetric and mode.group_dtype == "float32" and mode.head_bits == 8
+
+
+def test_asym_kernels_read_float32_group_parameters() -> None:
+    """The GEMV this CPU runs and the prefill matmul with q4f32_k's float32 scales and mins."""
+    from test_quant_asym import _check, _compile
+
+    from localchat.engine.build.quantization import quantize_q4_k
+    from localchat.engine.device import cpu_target
+    from localchat.engine.kernels import gemv, matmul
+    from localchat.engine.kernels.common import gemv_isa
+
+    k, n = 344, 12
+    rng = np.random.default_rng(4)
+    words, scale_min = quantize_q4_k(rng.standard_normal((n, k), dtype=np.float32) * 0.05)
+    dense = dequantize_q4(words, scale_min, k, asymmetric=True)
+    isa = gemv_isa(cpu_target())
+    funcs = {
+        "gemv": gemv.gemv_q4(k, n, "float32", isa, True, asym=True, scale_dtype="float32"),
+        "linear_q4": matmul.linear_q4(k, n, "float32", True, asym=True, scale_dtype="float32"),
+    }
+    lib = _compile(funcs)
+    b = rng.standard_normal(n).astype(np.float32)
+    x = rng.standard_normal((6, k), dtype=np.float32)
+    _check(lib, {name: ((words, scale_min), dense) for name in funcs}, x, b, n,
+           2e-2 if isa == "vnni" else 1e-5)
+
+
+@pytest.fixture(scope="module")
+def q4_k_m_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama with reductions of 256 (Q4_K's super-block) as an F32 GGUF, quantized by
+    llama.cpp to Q4_K_M (Q4_K, and Q6_K for its output and some attn_v / ffn_down)."""
+    import json
+
+    import torch
+    from test_gguf import write_llama_gguf
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hub_server import tiny_tokenizer_json
+
+    tmp = tmp_path_factory.mktemp("q4_k")
+    hf = tmp / "tiny-llama-256"
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, tie_word_embeddings=False,
+                         bos_token_id=0, eos_token_id=1)
+    LlamaForCausalLM(config).to(torch.float32).save_pretrained(hf)
+    (hf / "tokenizer.json").write_bytes(tiny_tokenizer_json())
+    (hf / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"}))
+    f32 = write_llama_gguf(hf, tmp / "tiny-f32.gguf")
+    return _llama_cpp_quantize(f32, tmp / "tiny-q4_k_m.gguf", "Q4_K_M")
+
+
+def test_q4_k_m_gguf_defaults_to_q4f32_k_which_holds_its_q4_k_blocks(q4_k_m_gguf: Path,
+                                                                     tmp_path: Path) -> None:
+    """llama.cpp's Q4_K_M file converts by default (CPU) to q4f32_k: the rows that came from
+    Q4_K tensors dequantize to exactly llama.cpp's values, those from its Q6_K tensors to within
+    half a 4-bit step; the model loads and decodes."""
+    import tvm
+    import tvm.contrib.tvmjs as tvmjs
+
+    from localchat.engine import build
+    from localchat.engine.build import gguf as lg
+    from localchat.engine.runtime import Model
+
+    gf = lg.read_gguf(q4_k_m_gguf)
+    assert lg.matrix_types(gf) == {"Q4_K", "Q6_K"}
+    assert build.gguf_default_quantization(q4_k_m_gguf, "cpu") == "q4f32_k"
+    out = build.convert_source(q4_k_m_gguf, tmp_path / "q4k", "q4f32_k", scratch_dir=tmp_path)
+    params, _ = tvmjs.load_tensor_cache(str(out), tvm.cpu())
+    params = {name: value.numpy() for name, value in params.items()}
+    heads, kv, d = 4, 2, 64
+    parts = {"self_attn.qkv_proj": [("attn_q", heads * d), ("attn_k", kv * d), ("attn_v", kv * d)],
+             "self_attn.o_proj": [("attn_output", 256)],
+             "mlp.gate_up_proj": [("ffn_gate", 512), ("ffn_up", 512)],
+             "mlp.down_proj": [("ffn_down", 256)]}
+    kinds = set()
+    for i in range(2):
+        for ours, pieces in parts.items():
+            prefix = f"model.layers.{i}.{ours}."
+            got = dequantize_q4(params[prefix + "weight"], params[prefix + "scale"],
+                                asymmetric=True)
+            row = 0
+            for short, rows in pieces:
+                t = gf.tensors[f"blk.{i}.{short}.weight"]
+                value = gf.tensor_values(t.name)
+                if short in ("attn_q", "attn_k"):  # llama.cpp's rope row order, put back
+                    value = lg.unpermute_rope_rows(value, heads if short == "attn_q" else kv)
+                mine = got[row: row + rows, : value.shape[1]]
+                kinds.add(t.type_name)
+                if t.type_name == "Q4_K":
+                    assert np.array_equal(mine, value), t.name
+                else:
+                    step = np.abs(params[prefix + "scale"][:, 0::2]).max()
+                    assert np.abs(mine - value).max() <= step / 2 * 1.001, t.name
+                row += rows
+    assert kinds == {"Q4_K", "Q6_K"}
+    model = Model(out, "cpu")
+    seq = model.new_sequence()
+    logits = model.prefill(seq, model.tokenizer.encode("hello world"))
+    assert np.isfinite(logits).all()
+    assert np.isfinite(model.decode([seq], [int(np.argmax(logits))])).all()
