@@ -86,15 +86,24 @@ class ReasoningSplitter:
         self._thinking_started = False  # leading white space of the thinking is dropped
         self._answer_started = False  # leading white space after `</think>` is dropped
         self.thought = opened  # whether the reply had a think block
+        self._tokens = 0  # tokens pushed so far
+        # tokens of the think block: those up to the one that closed it, the tags included
+        # (all of them while it is open); what OpenAI's usage calls reasoning tokens
+        self.thinking_tokens = 0
 
     def push(self, text: str, token_id: int | None = None) -> tuple[str, str]:
         """Feed one piece of reply text (and the token that released it); (thinking, answer)."""
-        if token_id is not None and self.tags.by_id:
-            if token_id == self.tags.open_id:
+        if token_id is not None:
+            self._tokens += 1
+            if self.tags.by_id and token_id == self.tags.open_id:
                 self._open_seen = True
-            elif token_id == self.tags.close_id:
+            elif self.tags.by_id and token_id == self.tags.close_id:
                 self._close_seen = True
-        return self._split(self._held + text, final=False)
+        before = self.state
+        split = self._split(self._held + text, final=False)
+        if self.state == "thinking" or (before != "answer" and self.thought):
+            self.thinking_tokens = self._tokens
+        return split
 
     def finish(self) -> tuple[str, str]:
         """The held-back text once the reply has ended."""

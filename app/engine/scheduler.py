@@ -632,6 +632,7 @@ class Scheduler:
             finish_reason=reason,
             context_tokens=len(seq) if seq is not None else 0,
             dropped_messages=request.dropped_messages,
+            reasoning_tokens=request.splitter.thinking_tokens if request.splitter else 0,
         )
 
 

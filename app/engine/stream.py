@@ -32,6 +32,8 @@ class ReplyStats:
     sampling_s: time spent choosing tokens (penalties, filters, the draw).
     context_tokens: tokens held in the sequence's state after the reply.
     dropped_messages: earlier messages dropped to fit the context window ("truncate" policy).
+    reasoning_tokens: of completion_tokens, those of a reasoning model's think block (tags
+        included).
     """
 
     prompt_tokens: int = 0
@@ -44,6 +46,7 @@ class ReplyStats:
     finish_reason: str = "stop"
     context_tokens: int = 0
     dropped_messages: int = 0
+    reasoning_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-friendly fields."""

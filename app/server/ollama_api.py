@@ -510,7 +510,46 @@ async def show(request: Request) -> JSONResponse:
     return JSONResponse({"modelfile": f"# localchat model {ref}\nFROM {ref}\n",
                          "parameters": params, "template": template,
                          "details": entry["details"], "model_info": info,
-                         "capabilities": ["completion"], "modified_at": entry["modified_at"]})
+                         "capabilities": capabilities(path, config, loaded),
+                         "modified_at": entry["modified_at"]})
+
+
+def capabilities(path: Path, config: dict[str, Any], loaded: LoadedModel | None) -> list[str]:
+    """What Ollama's `/api/show` says a model can do: "embedding" for an embedding model;
+    else "completion", "tools" when its chat template renders tools, "thinking" when it is a
+    reasoning model (its template writes think blocks or its vocabulary has the tags)."""
+    from localchat import model_dir as md
+
+    if config.get(md.EMBEDDING_KEY) is not None:
+        return ["embedding"]
+    engine = loaded.engine if loaded is not None and not loaded.closing else None
+    if engine is not None:
+        template, thinks = engine.template, bool(engine.thinks)
+    else:  # not loaded: the template and the tokenizer's files, no model load
+        from localchat.engine import resolve_template
+
+        template = resolve_template(path, None, config.get("template"))
+        thinks = bool(template.thinks) or _think_tags_are_tokens(path)
+    found = ["completion"]
+    if template.supports_tools:
+        found.append("tools")
+    if thinks:
+        found.append("thinking")
+    return found
+
+
+def _think_tags_are_tokens(path: Path) -> bool:
+    """Whether the model's tokenizer.json has `<think>` and `</think>` as tokens of their own
+    (as the engine's `ThinkTags` finds them once the tokenizer is loaded)."""
+    try:
+        data = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    added = {str(t.get("content")) for t in data.get("added_tokens") or []
+             if isinstance(t, dict)}
+    vocab = (data.get("model") or {}).get("vocab")
+    vocab = vocab if isinstance(vocab, dict) else {}
+    return all(tag in added or tag in vocab for tag in ("<think>", "</think>"))
 
 
 @router.get("/ps")

@@ -309,16 +309,20 @@ class ToolPlan:
 
 def usage_of(choices: Sequence[Choice], prompts: int = 1) -> p.Usage:
     """Usage: the prompt counted once per distinct prompt, every choice's completion; prompt
-    tokens the prefix cache held (not prefilled again) count too, and show as cached_tokens."""
+    tokens the prefix cache held (not prefilled again) count too, and show as cached_tokens;
+    the completion's think-block tokens show as reasoning_tokens."""
     finished = [c.finish for c in choices if c.finish is not None]
     step = max(1, len(choices) // max(1, prompts))
     firsts = [c.finish.reply.stats for c in choices[::step] if c.finish is not None]
     cached = sum(s.reused_tokens for s in firsts)
     prompt = sum(s.prompt_tokens for s in firsts) + cached
     completion = sum(f.reply.stats.completion_tokens for f in finished)
+    # a reasoning model's think-block tokens (part of completion_tokens), as OpenAI counts them
+    reasoning = sum(f.reply.stats.reasoning_tokens for f in finished)
     return p.Usage(prompt_tokens=prompt, completion_tokens=completion,
                    total_tokens=prompt + completion,
-                   prompt_tokens_details={"cached_tokens": cached})
+                   prompt_tokens_details={"cached_tokens": cached},
+                   completion_tokens_details={"reasoning_tokens": reasoning})
 
 
 def token_str(tokenizer: Any, token_id: int) -> str:

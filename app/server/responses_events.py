@@ -58,7 +58,8 @@ def usage(finished: Finished) -> dict[str, Any]:
     return {"input_tokens": finished.input_tokens,
             "input_tokens_details": {"cached_tokens": finished.cached_tokens},
             "output_tokens": finished.output_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {
+                "reasoning_tokens": finished.event.reply.stats.reasoning_tokens},
             "total_tokens": finished.input_tokens + finished.output_tokens}
 
 

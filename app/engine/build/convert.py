@@ -59,6 +59,8 @@ def read_hf_config(source_dir: Path) -> dict[str, Any]:
 TOKENIZER_MAIN_FILES = ("tokenizer.json", "tokenizer.model", WORLD_VOCAB_FILE)
 _POSITIVE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "num_key_value_heads", "head_dim")
+# a multimodal checkpoint's parts besides its language model (converted without them)
+_NOT_TEXT_MODEL = ("vision_tower.", "multi_modal_projector.")
 _LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|blocks|h)\.(\d+)\.")
 
 
@@ -80,7 +82,8 @@ def check_hf_config(hf: dict[str, Any], where: Path) -> None:
 
 def check_layer_count(config: Any, names: Any, where: Path) -> None:
     """The checkpoint's layers must be the ones config.json counts."""
-    layers = {int(m.group(1)) for n in names if (m := _LAYER_INDEX.search(n))}
+    layers = {int(m.group(1)) for n in names if (m := _LAYER_INDEX.search(n))
+              and not any(part in n for part in _NOT_TEXT_MODEL)}
     want = getattr(config, "num_hidden_layers", None)
     if layers and isinstance(want, int) and max(layers) + 1 != want:
         raise ModelConfigError(
@@ -94,8 +97,8 @@ def _eos_token_ids(source_dir: Path, hf: dict[str, Any]) -> list[int]:
     gen = source_dir / "generation_config.json"
     if gen.exists():
         ids = read_json(gen).get("eos_token_id")
-    if ids is None:
-        ids = hf.get("eos_token_id")
+    if ids is None:  # a multimodal config keeps its language model's ids in text_config
+        ids = hf.get("eos_token_id", (hf.get("text_config") or {}).get("eos_token_id"))
     if ids is None:
         return []
     return [int(i) for i in (ids if isinstance(ids, list) else [ids])]

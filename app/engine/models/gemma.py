@@ -4,14 +4,19 @@ Both: GELU-tanh gate, RMSNorm weights used as (1 + w), norms before and after ea
 embeddings times sqrt(hidden), attention scale query_pre_attn_scalar ** -0.5, a tied head, a
 sliding window on the layers HF's `layer_types` marks "sliding_attention". Gemma 2 soft-caps
 attention scores (50) and the final logits (30); Gemma 3 has per-head q/k norm instead and its
-local and global layers rotate with their own theta (and scaling).
+local and global layers rotate with their own theta (and scaling). The Gemma 3 checkpoints of 4B
+and up are multimodal (`Gemma3ForConditionalGeneration`): their language model is read as the
+text model (`text_config`, tensors under `language_model.`), the vision tower left out.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Iterator
 from typing import Any
+
+import numpy as np
 
 from localchat.engine.models import Architecture, GgufMap, GgufSource, llama
 from localchat.errors import UnsupportedModelError
@@ -70,11 +75,48 @@ def _rope(params: dict[str, Any], default_theta: float) -> tuple[float, float]:
     raise UnsupportedModelError(f"Gemma 3 rope type {kind!r} is not supported")
 
 
+def text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config.json: a Gemma3ForConditionalGeneration config's
+    `text_config` over its top level (which holds the vision tower's and the processor's
+    settings), a text model's config as it is."""
+    if "text_config" not in hf:
+        return hf
+    top = {k: v for k, v in hf.items() if k not in ("text_config", "vision_config")}
+    return {**top, **(hf["text_config"] or {})}
+
+
+# Where the language model of a Gemma3ForConditionalGeneration checkpoint keeps its tensors,
+# (its `model.` prefix, its head): as published (and as transformers 5 saves it), then as some
+# transformers 4.x releases save it; the vision tower and projector are never read
+MULTIMODAL_LAYOUTS = (("language_model.model.", "language_model.lm_head."),
+                      ("model.language_model.", "lm_head."))
+
+
+def gemma3_params(cfg: llama.LlamaConfig, get: Callable[[str], np.ndarray],
+                  names: set[str]) -> Iterator[tuple[str, np.ndarray]]:
+    """Llama's parameter mapping, reading a multimodal checkpoint's language model under its
+    own prefix (either layout) as a text checkpoint's `model.*` and `lm_head.*`."""
+    layout = next(((body, head) for body, head in MULTIMODAL_LAYOUTS
+                   if body + "embed_tokens.weight" in names), None)
+    if layout is None:
+        yield from llama.hf_params(cfg, get, names)
+        return
+    body, head = layout
+
+    def source_name(name: str) -> str:
+        if name.startswith("model."):
+            return body + name[len("model."):]
+        return head + name[len("lm_head."):] if name.startswith("lm_head.") else name
+
+    inner = {("model." + n[len(body):]) if n.startswith(body)
+             else ("lm_head." + n[len(head):]) if n.startswith(head) else n for n in names}
+    yield from llama.hf_params(cfg, lambda name: get(source_name(name)), inner)
+
+
 def gemma3_config(hf: dict[str, Any]) -> llama.LlamaConfig:
     """Read a Gemma 3 text config.json (five local layers to one global one), also the text
     model inside a Gemma3ForConditionalGeneration checkpoint (`text_config`)."""
-    hf = {**hf.get("text_config", {}), **{k: v for k, v in hf.items() if k != "text_config"}} \
-        if "text_config" in hf else hf
+    hf = text_config(hf)
     cfg = _common(hf, pattern=6)
     params = hf.get("rope_parameters") or {}
     if SLIDING in params:  # transformers 5: per layer type
@@ -184,4 +226,6 @@ def architecture(name: str) -> Architecture:
     """The registry's view of this module: Llama's build and weights, Gemma's configs."""
     read = {"gemma2": gemma2_config, "gemma3": gemma3_config}[name]
     gguf = {"gemma2": GGUF_GEMMA2, "gemma3": GGUF_GEMMA3}[name]
-    return dataclasses.replace(llama.architecture(name), config_from_hf=read, gguf=gguf)
+    params = {"gemma2": llama.hf_params, "gemma3": gemma3_params}[name]
+    return dataclasses.replace(llama.architecture(name), config_from_hf=read, gguf=gguf,
+                               hf_params=params)

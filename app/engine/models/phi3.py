@@ -1,8 +1,18 @@
 """Phi-3, Phi-3.5 and Phi-4-mini (`Phi3ForCausalLM`): the Llama block with the checkpoint's q/k/v
 and gate/up already fused (our own layout), partial rotary (`partial_rotary_factor`, 0.75 on
-Phi-4-mini) and LongRoPE. LongRoPE switches from its short to its long factors once a sequence
-outgrows `original_max_position_embeddings`; the context window is capped there, where the short
-factors (and the attention factor on cos and sin) are exact."""
+Phi-4-mini) and LongRoPE.
+
+LongRoPE has two sets of per-frequency factors. transformers picks them per forward pass: the
+long ones once the sequence outgrows `original_max_position_embeddings`, the short ones below;
+the attention factor (sqrt(1 + ln(max / original) / ln(original)) unless given) scales cos and
+sin either way. A compiled model has one rotary table, so it chooses once, by the context window
+it is built for, as llama.cpp and Ollama do (long factors when the context exceeds the original
+one): a window within `original_max_position_embeddings` (the default, 4K on the published
+models) runs the short factors and equals transformers at every length; a larger window
+(`convert --context-window`, a recipe's `context_window`) runs the long factors from the first
+token, which equals transformers for sequences longer than the original context and differs
+from it (long factors where transformers uses short ones) on shorter ones.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +25,40 @@ import numpy as np
 
 from localchat.engine.models import Architecture, GgufMap, GgufSource, llama
 from localchat.errors import ModelConfigError, UnsupportedModelError
+
+
+@dataclasses.dataclass
+class Phi3Config(llama.LlamaConfig):
+    """The Llama block's config plus LongRoPE's two factor sets; `rope_ext_factors`, what the
+    block rotates with, follows the context window whenever the config is built or stored."""
+
+    longrope_short: list[float] = dataclasses.field(default_factory=list)
+    longrope_long: list[float] = dataclasses.field(default_factory=list)
+    longrope_original: int = 0  # original_max_position_embeddings; 0: no LongRoPE
+
+    def for_window(self) -> Phi3Config:
+        """This config with the factors its context window calls for (long past the original
+        context, short within it)."""
+        if not self.longrope_original:
+            return self
+        long = self.context_window_size > self.longrope_original
+        return dataclasses.replace(
+            self, rope_ext_factors=list(self.longrope_long if long else self.longrope_short))
+
+    def to_dict(self) -> dict[str, Any]:
+        # a window set after reading (convert's context override) is stored with its factors
+        return dataclasses.asdict(self.for_window())
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Phi3Config:
+        return cls(**data)
+
+
+def build(cfg: llama.LlamaConfig, mode: Any, target: Any) -> Any:
+    """Llama's block, rotating with the LongRoPE factors of the window it is compiled for."""
+    if isinstance(cfg, Phi3Config):
+        cfg = cfg.for_window()
+    return llama.LlamaForCausalLM(cfg, mode, target)
 
 
 def config_from_hf(hf: dict[str, Any]) -> llama.LlamaConfig:
@@ -37,14 +81,19 @@ def config_from_hf(hf: dict[str, Any]) -> llama.LlamaConfig:
     if len(short) != rotary // 2:
         raise ModelConfigError(f"longrope short_factor has {len(short)} entries, the rotary "
                                f"width {rotary} needs {rotary // 2}")
-    factor = context / original
+    long = [float(f) for f in params.get("long_factor") or short]
+    if len(long) != len(short):
+        raise ModelConfigError(f"longrope long_factor has {len(long)} entries, the rotary "
+                               f"width {rotary} needs {rotary // 2}")
     attention = params.get("attention_factor")
     if attention is None:
-        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
-    return dataclasses.replace(
-        cfg, rotary_dim=rotary if rotary != cfg.head_dim else 0,
-        context_window_size=min(cfg.context_window_size, original),
-        rope_ext_factors=short, rope_attention_factor=float(attention))
+        attention = _longrope_attention(context, original)
+    # the default window is the original context (short factors, exact at every length)
+    return Phi3Config(**{
+        **dataclasses.asdict(cfg), "rotary_dim": rotary if rotary != cfg.head_dim else 0,
+        "context_window_size": min(cfg.context_window_size, original),
+        "rope_ext_factors": short, "rope_attention_factor": float(attention),
+        "longrope_short": short, "longrope_long": long, "longrope_original": original})
 
 
 def hf_params(cfg: llama.LlamaConfig, get: Callable[[str], np.ndarray],
@@ -130,4 +179,5 @@ GGUF = GgufMap(
 def architecture(name: str) -> Architecture:
     """The registry's view of this module: Llama's build, Phi-3's config and weight names."""
     return dataclasses.replace(llama.architecture(name), config_from_hf=config_from_hf,
+                               config_from_dict=Phi3Config.from_dict, build=build,
                                hf_params=hf_params, gguf=GGUF)
