@@ -170,9 +170,13 @@ class Model:
             return self.vm["create_rnn_state"](
                 ShapeTuple([self.max_batch_size]), ShapeTuple([RNN_HISTORY])
             )
+        # The scheduler budgets tokens, the cache hands out pages of PAGE_SIZE: a sequence's
+        # last page is part-filled, so the cache holds one page per sequence more than the
+        # token budget (as kv_cache_bytes counts), or overlapping requests beside a prefix-cache
+        # entry found it full ("No page can be allocated").
         return self.vm["create_paged_kv_cache"](
             ShapeTuple([self.max_batch_size]),
-            ShapeTuple([self.max_total_tokens]),
+            ShapeTuple([self._cache_pages() * PAGE_SIZE]),
             ShapeTuple([self.prefill_chunk_size]),
             ShapeTuple([PAGE_SIZE]),
             ShapeTuple([0]),
@@ -346,11 +350,14 @@ class Model:
                 s.tokens.append(t)
             return out[0].numpy().reshape(len(seqs), -1)
 
+    def _cache_pages(self) -> int:
+        """Pages of the KV cache: the token budget's, plus one part-filled page per sequence."""
+        return -(-self.max_total_tokens // PAGE_SIZE) + self.max_batch_size
+
     def kv_cache_bytes(self) -> int:
         """Bytes the KV cache (or RNN state) holds for its full capacity."""
-        pages = -(-self.max_total_tokens // PAGE_SIZE) + self.max_batch_size
         return int(self.arch.cache_bytes(self.config, self.mode.dtype, self.max_batch_size,
-                                         pages * PAGE_SIZE))
+                                         self._cache_pages() * PAGE_SIZE))
 
     def weight_bytes(self) -> int:
         """Bytes of the parameters as loaded on the device."""
