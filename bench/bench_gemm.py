@@ -8,12 +8,11 @@ Shapes are m x k x n (rows x reduction x outputs); the default: the all-MiniLM-L
 MLP at 32 texts x 128 tokens (up and down projections) and a 1B-class decoder's MLP up
 projection on a 128-token prefill chunk. Columns:
 
-* q0f32 / q0f16: `gemm_f` (kernels/gemm.py, the outer-product GEMM), `linear_f` (what
-  `matmul.linear_f` runs now) and `linear_f old` (the dot-product kernel it replaced, kept in
-  `matmul._linear`), torch (float32; float16 weights are not a fast path in torch on CPUs, so the
-  torch column is always float32);
-* 4-bit modes (q4f32_1, q4f32_asym, ...): `gemm_q4` and `linear_q4`, torch on the dequantized
-  float32 weights.
+* q0f32 / q0f16: `gemm_f` (kernels/gemm.py, the outer-product GEMM prefill's `matmul.linear_f`
+  runs), torch (float32; float16 weights are not a fast path in torch on CPUs, so the torch
+  column is always float32);
+* 4-bit modes (q4f32_1, q4f32_asym, ...): `gemm_q4` (what `matmul.linear_q4` runs), torch on the
+  dequantized float32 weights.
 
 Each thread count runs in its own process (TVM's thread pool reads TVM_NUM_THREADS once); every
 kernel is checked against numpy before it is timed. Not a test: it prints a table.
@@ -57,7 +56,7 @@ def child(args: argparse.Namespace) -> None:
         quantize_q4_asym,
     )
     from localchat.engine.device import cpu_target
-    from localchat.engine.kernels import gemm, matmul
+    from localchat.engine.kernels import gemm
 
     torch.set_num_threads(args.threads)
     mode = get_quant_mode(args.quant)
@@ -71,17 +70,9 @@ def child(args: argparse.Namespace) -> None:
 
     if mode.quantized:
         asym = mode.asymmetric
-        cands = {
-            "gemm_q4": lambda k, n: gemm.gemm_q4(k, n, dt, False, asym),
-            "linear_q4": lambda k, n: matmul.linear_q4(k, n, dt, False, asym),
-        }
+        cands = {"gemm_q4": lambda k, n: gemm.gemm_q4(k, n, dt, False, asym)}
     else:
-        cands = {
-            "gemm_f": lambda k, n: gemm.gemm_f(k, n, dt, False),
-            "linear_f": lambda k, n: matmul.linear_f(k, n, dt, False),
-        }
-        if hasattr(matmul, "_linear"):
-            cands["linear_f old"] = lambda k, n: matmul._linear(k, n, dt, False, quantized=False)
+        cands = {"gemm_f": lambda k, n: gemm.gemm_f(k, n, dt, False)}
     rng = np.random.default_rng(0)
     for shape in args.shapes.split(","):
         m, k, n = (int(v) for v in shape.split("x"))

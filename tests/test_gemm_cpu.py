@@ -149,9 +149,11 @@ def test_a_row_has_the_same_bits_in_any_batch(case: str) -> None:
         assert np.array_equal(five[r - start], full[r]), f"row {r} among 5"
 
 
-def test_linear_f_runs_the_gemm() -> None:
-    """Prefill's float Linear (`matmul.linear_f`) is this kernel."""
+def test_prefill_linears_run_the_gemm() -> None:
+    """Prefill's Linears (`matmul.linear_f`, `matmul.linear_q4`) are these kernels."""
     assert matmul.linear_f(384, 48, "float32", True).same_as(gemm.gemm_f(384, 48, "float32", True))
+    assert matmul.linear_q4(384, 48, "float32", False, True).same_as(
+        gemm.gemm_q4(384, 48, "float32", False, True, None))
 
 
 def test_llvm_output_uses_fma_vectors_and_no_gathers() -> None:

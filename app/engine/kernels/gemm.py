@@ -55,8 +55,8 @@ def gemm_q4(
 ) -> tirx.PrimFunc:
     """Y[m, n] = X[m, k] @ dequant(Wq[n, kp/8], S)^T (+ b), kp = `padded_k(k)`: symmetric
     (q - 8) * scale with S [n, kp/32] of `scale_dtype` (default `dtype`), or with `asym`
-    q * scale + min with S [n, 2 kp/32] float16 (scale and min side by side). The arguments of
-    `matmul.linear_q4`."""
+    q * scale + min with S [n, 2 kp/32] of `scale_dtype` (default float16; scale and min side by
+    side). The arguments of `matmul.linear_q4`."""
     return _gemm(k, n, dtype, bias, "q4_asym" if asym else "q4", scale_dtype)
 
 
@@ -194,7 +194,9 @@ def _gemm(
                 task(x, w, s, b, y, t // nblocks * MC, T.min(MC, m - t // nblocks * MC),
                      (nblocks - 1) * nb, last)
 
-    ks, sdt = (2 * kg, "float16") if kind == "q4_asym" else (kg, scale_dtype or dtype)
+    asym = kind == "q4_asym"
+    ks = 2 * kg if asym else kg
+    sdt = scale_dtype or ("float16" if asym else dtype)  # q4f32_k: float32 scales and mins
     quantized = kind != "float"
     if quantized and bias:
 

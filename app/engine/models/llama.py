@@ -87,7 +87,7 @@ class LlamaConfig:
     layer_rope_scale: list[float] = dataclasses.field(default_factory=list)  # positions x this
     rope_layers: list[int] = dataclasses.field(default_factory=list)  # 0: no rotary there
     # LongRoPE (Phi-3/4): each frequency divided by its factor, cos and sin times the
-    # attention factor; the window is capped at the original context, where these are exact
+    # attention factor; phi3.py picks the short or the long factors from the compiled window
     rope_ext_factors: list[float] = dataclasses.field(default_factory=list)
     rope_attention_factor: float = 1.0
 
