@@ -190,7 +190,8 @@ def test_list_available_shows_rwkv7_before_rwkv4(hub: HubServer, home: Path) -> 
     rwkv = rwkv_order(names)
     assert rwkv[:5] == ["rwkv7-g1-1.5b", "rwkv7-world-2.9b", "rwkv7-world-1.5b",
                         "rwkv7-world-0.4b", "rwkv7-world-0.1b"]
-    assert all(n.startswith("rwkv-world-") for n in rwkv[5:]) and len(rwkv) == 10
+    assert rwkv[5:8] == ["rwkv6-world-7b", "rwkv6-world-3b", "rwkv6-world-1.6b"]
+    assert all(n.startswith("rwkv-world-") for n in rwkv[8:]) and len(rwkv) == 13
     assert rows[names.index(NAME)]["file"] == FILE
     text = ok(localchat(home, hub, "list", "--available")).stdout
     lines = [ln.split()[0] for ln in text.splitlines() if ln.strip()]

@@ -214,8 +214,11 @@ def test_warm_up_builds_the_matcher_before_the_first_encode(vocab_path: Path) ->
 def test_world_vocabulary_ships_with_the_install(tmp_path: Path, vocab_path: Path) -> None:
     """A lone .pth needs no vocabulary beside it and no network: the installed `rwkv` package
     (a dependency) carries the file, byte for byte the reference's."""
+    import importlib.metadata
+
     from localchat.engine.models.rwkv7_pth import world_vocab
 
+    shipped = [f for f in importlib.metadata.files("rwkv") or [] if f.name == VOCAB_NAME]
+    assert shipped, "the installed rwkv distribution carries no World vocabulary"
     found = world_vocab(tmp_path / "RWKV-x070-World-0.1B.pth")
-    assert found.is_file() and "site-packages" in str(found)
-    assert found.read_bytes() == vocab_path.read_bytes()
+    assert found.read_bytes() == Path(shipped[0].locate()).read_bytes() == vocab_path.read_bytes()
