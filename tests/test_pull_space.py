@@ -24,3 +24,11 @@ def test_estimates_follow_the_target_precision() -> None:
     assert 2.4e9 < f16 < 2.8e9  # about what the F16 model really uses, not 11 GB
     assert 0.6e9 < q4 < 0.8e9
     assert _estimate_model_bytes(as_16bit, "q0f32") > 1.9 * f16
+
+
+def test_the_exact_mode_reason_names_the_llama_cpp_type_and_what_is_not_exact() -> None:
+    from localchat.downloader.pull import _exact_reason
+
+    assert "Q4_1 weights exactly" in _exact_reason("q4f32_asym")
+    assert "Q4_0 weights exactly" in _exact_reason("q4f32_0")
+    assert _exact_reason("q4f32_k").endswith("Q4_K weights exactly (its Q6_K ones re-quantized)")

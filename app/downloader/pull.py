@@ -741,8 +741,10 @@ class _Puller:
 
 def _exact_reason(mode: str) -> str:
     """Why a GGUF's own mode was chosen, for pull's summary."""
-    return (f"holds the GGUF's llama.cpp {'Q4_1' if 'asym' in mode else mode} weights exactly "
-            f"(no second rounding)")
+    if mode.endswith("_k"):  # Q4_K_M files also carry Q6_K tensors, which are re-quantized
+        return "holds the GGUF's llama.cpp Q4_K weights exactly (its Q6_K ones re-quantized)"
+    kind = "Q4_1" if "asym" in mode else "Q4_0" if mode.endswith("_0") else mode
+    return f"holds the GGUF's llama.cpp {kind} weights exactly (no second rounding)"
 
 
 def _choose_quantization(source: PullSource, hooks: EngineHooks, store: Store,
