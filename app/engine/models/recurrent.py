@@ -28,7 +28,7 @@ from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from localchat.engine.kernels import wkv
+from localchat.engine.kernels import wkv, wkv7
 from localchat.engine.models import probes
 from localchat.engine.models.export import model_spec
 from localchat.engine.models.layers import Linear
@@ -172,6 +172,26 @@ def state_bytes(layout: Sequence[StateTensor], num_layers: int, max_batch_size: 
     """Bytes of the state of `max_batch_size` sequences, `max_history` slots each."""
     per_layer = sum(t.size * np.dtype(t.dtype).itemsize for t in layout)
     return per_layer * num_layers * max_batch_size * max_history
+
+
+# The per-layer state of the matrix-state RWKVs (6 and 7), by state id, in the `rwkv` package's
+# order: time-mix x_prev [C], the per-head matrix state [heads, N, N] float32, channel-mix x_prev.
+ATT_X, ATT_KV, FFN_X = range(3)
+
+
+def matrix_state_layout(hidden: int, head_size: int, dtype: str) -> tuple[StateTensor, ...]:
+    """One layer's state of a matrix-state RWKV, by state id (ATT_X, ATT_KV, FFN_X)."""
+    h = hidden // head_size
+    return (StateTensor((hidden,), dtype), StateTensor((h, head_size, head_size), "float32"),
+            StateTensor((hidden,), dtype))
+
+
+def token_lerp(seg: Segments, x: nn.Tensor, prev: nn.Tensor, *mixes: nn.Tensor
+               ) -> list[nn.Tensor]:
+    """`kernels.wkv7.token_lerp` (x + (shifted(x) - x) * m) of x with the state `prev` [B, c],
+    one output per mix (RWKV-6 and 7)."""
+    out = op.tensor_expr_op(wkv7.token_lerp, "token_lerp", args=[x, prev, seg.start_of, *mixes])
+    return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
 class RnnState(nn.Object):

@@ -36,14 +36,19 @@ from tvm.relax.frontend.nn import op
 from tvm.target import Target
 
 from localchat.engine.build.quantization import QuantMode
-from localchat.engine.kernels import wkv6, wkv7
+from localchat.engine.kernels import wkv6
 from localchat.engine.models import Architecture, probes
 from localchat.engine.models.layers import BuildContext, Embedding, Linear
 from localchat.engine.models.recurrent import (
+    ATT_KV,
+    ATT_X,
+    FFN_X,
     RecurrentLM,
     RnnState,
     Segments,
     StateTensor,
+    matrix_state_layout,
+    token_lerp,
 )
 from localchat.engine.models.recurrent import state_bytes as layout_bytes
 from localchat.errors import ModelConfigError
@@ -109,18 +114,13 @@ class Rwkv6Config:
 
 
 # ------------------------------------------------------------------------------------------------
-# The recurrent state
+# The recurrent state (ids ATT_X, ATT_KV, FFN_X: recurrent.matrix_state_layout)
 # ------------------------------------------------------------------------------------------------
-
-# State ids within a layer: time-mix x_prev, the per-head matrix state, channel-mix x_prev (the
-# `rwkv` package's order: att_x, att_kv, ffn_x).
-ATT_X, ATT_KV, FFN_X = range(3)
 
 
 def state_layout(cfg: Rwkv6Config, dtype: str) -> tuple[StateTensor, ...]:
     """The state of one layer of a sequence, by state id (the same in every layer)."""
-    c, h, n = cfg.hidden_size, cfg.num_heads, cfg.head_size
-    return (StateTensor((c,), dtype), StateTensor((h, n, n), "float32"), StateTensor((c,), dtype))
+    return matrix_state_layout(cfg.hidden_size, cfg.head_size, dtype)
 
 
 def state_bytes(cfg: Rwkv6Config, max_batch_size: int, dtype: str = "float32") -> int:
@@ -133,10 +133,6 @@ def state_bytes(cfg: Rwkv6Config, max_batch_size: int, dtype: str = "float32") -
 # ------------------------------------------------------------------------------------------------
 
 
-def _lerp(seg: Segments, x: nn.Tensor, prev: nn.Tensor, *mixes: nn.Tensor) -> list[nn.Tensor]:
-    """`kernels.wkv7.token_lerp` (x + (shifted(x) - x) * m) of x with the state `prev` [B, c]."""
-    out = op.tensor_expr_op(wkv7.token_lerp, "token_lerp", args=[x, prev, seg.start_of, *mixes])
-    return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
 class TimeMix(nn.Module):
@@ -214,7 +210,7 @@ class ChannelMix(nn.Module):
 
     def forward(self, xx: nn.Tensor, seg: Segments, state: RnnState, layer_id: int):
         prev = state.get(layer_id, FFN_X, seg.batch, xx.shape[-1], self.dtype)
-        xk, xr = _lerp(seg, xx, prev, self.maa_k, self.maa_r)
+        xk, xr = token_lerp(seg, xx, prev, self.maa_k, self.maa_r)
         r = op.sigmoid(probes.probe("ffn.receptance", seg.project(self.receptance, xr)))
         k = op.square(op.relu(probes.probe("ffn.key", seg.project(self.key, xk))))
         state = state.set(layer_id, FFN_X, probes.probe("state.ffn_x", seg.last_rows(xx)))

@@ -42,10 +42,15 @@ from localchat.engine.kernels import wkv7
 from localchat.engine.models import Architecture, probes
 from localchat.engine.models.layers import BuildContext, Embedding, Linear
 from localchat.engine.models.recurrent import (
+    ATT_KV,
+    ATT_X,
+    FFN_X,
     RecurrentLM,
     RnnState,
     Segments,
     StateTensor,
+    matrix_state_layout,
+    token_lerp,
 )
 from localchat.engine.models.recurrent import state_bytes as layout_bytes
 from localchat.errors import ModelConfigError
@@ -113,18 +118,13 @@ class Rwkv7Config:
 
 
 # ------------------------------------------------------------------------------------------------
-# The recurrent state
+# The recurrent state (ids ATT_X, ATT_KV, FFN_X: recurrent.matrix_state_layout)
 # ------------------------------------------------------------------------------------------------
-
-# State ids within a layer: time-mix x_prev, the per-head matrix state, channel-mix x_prev (the
-# `rwkv` package's order: att_x, att_kv, ffn_x).
-ATT_X, ATT_KV, FFN_X = range(3)
 
 
 def state_layout(cfg: Rwkv7Config, dtype: str) -> tuple[StateTensor, ...]:
     """The state of one layer of a sequence, by state id (the same in every layer)."""
-    c, h, n = cfg.hidden_size, cfg.num_heads, cfg.head_size
-    return (StateTensor((c,), dtype), StateTensor((h, n, n), "float32"), StateTensor((c,), dtype))
+    return matrix_state_layout(cfg.hidden_size, cfg.head_size, dtype)
 
 
 def state_bytes(cfg: Rwkv7Config, max_batch_size: int, dtype: str = "float32") -> int:
@@ -137,10 +137,6 @@ def state_bytes(cfg: Rwkv7Config, max_batch_size: int, dtype: str = "float32") -
 # ------------------------------------------------------------------------------------------------
 
 
-def _lerp(seg: Segments, x: nn.Tensor, prev: nn.Tensor, *mixes: nn.Tensor) -> list[nn.Tensor]:
-    """`kernels.wkv7.token_lerp` of x with the state `prev` [B, c], one output per mix."""
-    out = op.tensor_expr_op(wkv7.token_lerp, "token_lerp", args=[x, prev, seg.start_of, *mixes])
-    return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
 def _per_head_sum(x: nn.Tensor, heads: int, size: int) -> nn.Tensor:
@@ -184,7 +180,7 @@ class TimeMix(nn.Module):
         c, n = h * n_, xx.shape[0]
         prev = state.get(layer_id, ATT_X, batch, c, dt)
         kv = state.get(layer_id, ATT_KV, batch, (h, n_, n_), "float32")
-        xr, xw, xk, xv, xa, xg = _lerp(seg, xx, prev, self.x_r, self.x_w, self.x_k, self.x_v,
+        xr, xw, xk, xv, xa, xg = token_lerp(seg, xx, prev, self.x_r, self.x_w, self.x_k, self.x_v,
                                        self.x_a, self.x_g)
         r = probes.probe("att.receptance", seg.project(self.receptance, xr))
         k = probes.probe("att.key", seg.project(self.key, xk))
@@ -240,7 +236,7 @@ class ChannelMix(nn.Module):
 
     def forward(self, xx: nn.Tensor, seg: Segments, state: RnnState, layer_id: int):
         prev = state.get(layer_id, FFN_X, seg.batch, xx.shape[-1], self.dtype)
-        (xk,) = _lerp(seg, xx, prev, self.x_k)
+        (xk,) = token_lerp(seg, xx, prev, self.x_k)
         k = op.square(op.relu(probes.probe("ffn.key", seg.project(self.key, xk))))
         state = state.set(layer_id, FFN_X, probes.probe("state.ffn_x", seg.last_rows(xx)))
         return probes.probe("ffn.value", seg.project(self.value, k)), state
