@@ -194,6 +194,25 @@ def token_lerp(seg: Segments, x: nn.Tensor, prev: nn.Tensor, *mixes: nn.Tensor
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
+class RwkvBlock(nn.Module):
+    """An RWKV layer: LayerNorm then time mix, LayerNorm then channel mix, each a residual
+    branch that reads and writes the layer's state (RWKV-4 and 6; RWKV-7 also threads
+    v_first). `att` and `ffn` are called as (x, seg, state, layer_id) -> (out, state)."""
+
+    def __init__(self, att: nn.Module, ffn: nn.Module, hidden: int, eps: float,
+                 dtype: str) -> None:
+        self.ln1 = nn.LayerNorm(hidden, eps, dtype=dtype)
+        self.ln2 = nn.LayerNorm(hidden, eps, dtype=dtype)
+        self.att = att
+        self.ffn = ffn
+
+    def forward(self, x: nn.Tensor, seg: Segments, state: RnnState, layer_id: int):
+        out, state = self.att(probes.probe("ln1", self.ln1(x)), seg, state, layer_id)
+        x = x + out
+        out, state = self.ffn(probes.probe("ln2", self.ln2(x)), seg, state, layer_id)
+        return x + out, state
+
+
 class RnnState(nn.Object):
     """TVM's runtime RNN state (`vm.builtin.rnn_state_*`) seen from the model: the state ids of
     a layer are the positions of its `StateTensor`s in the layout given to `create`."""

@@ -43,6 +43,7 @@ from localchat.engine.models.layers import BuildContext, Embedding, Linear
 from localchat.engine.models.recurrent import (
     RecurrentLM,
     RnnState,
+    RwkvBlock,
     Segments,
     StateTensor,
 )
@@ -198,21 +199,6 @@ class ChannelMix(nn.Module):
         return r * probes.probe("feed_forward.value", seg.project(self.value, k)), state
 
 
-class Block(nn.Module):
-    def __init__(self, cfg: Rwkv4Config, ctx: BuildContext) -> None:
-        eps, h, dt = cfg.layer_norm_epsilon, cfg.hidden_size, ctx.dtype
-        self.ln1 = nn.LayerNorm(h, eps, dtype=dt)
-        self.ln2 = nn.LayerNorm(h, eps, dtype=dt)
-        self.att = TimeMix(cfg, ctx)
-        self.ffn = ChannelMix(cfg, ctx)
-
-    def forward(self, x: nn.Tensor, seg: Segments, state: RnnState, layer_id: int):
-        out, state = self.att(probes.probe("ln1", self.ln1(x)), seg, state, layer_id)
-        x = x + out
-        out, state = self.ffn(probes.probe("ln2", self.ln2(x)), seg, state, layer_id)
-        return x + out, state
-
-
 class Rwkv4ForCausalLM(RecurrentLM):
     """The exported model (`recurrent.RecurrentLM`: embed, (batch_)prefill, (batch_)decode, the
     RNN-state constructor, the debug prefill) over these blocks."""
@@ -224,7 +210,10 @@ class Rwkv4ForCausalLM(RecurrentLM):
         self.target = target
         h = cfg.hidden_size
         self.embeddings = Embedding(cfg.vocab_size, h, ctx)  # pre-LayerNorm folded in
-        self.blocks = nn.ModuleList([Block(cfg, ctx) for _ in range(cfg.num_hidden_layers)])
+        self.blocks = nn.ModuleList([
+            RwkvBlock(TimeMix(cfg, ctx), ChannelMix(cfg, ctx), cfg.hidden_size,
+                      cfg.layer_norm_epsilon, ctx.dtype)
+            for _ in range(cfg.num_hidden_layers)])
         self.ln_out = nn.LayerNorm(h, cfg.layer_norm_epsilon, dtype=mode.dtype)
         self.head = Linear(h, cfg.vocab_size, False, ctx, head=True)
 

@@ -45,6 +45,7 @@ from localchat.engine.models.recurrent import (
     FFN_X,
     RecurrentLM,
     RnnState,
+    RwkvBlock,
     Segments,
     StateTensor,
     matrix_state_layout,
@@ -217,21 +218,6 @@ class ChannelMix(nn.Module):
         return probes.probe("ffn.output", r * seg.project(self.value, k)), state
 
 
-class Block(nn.Module):
-    def __init__(self, cfg: Rwkv6Config, ctx: BuildContext) -> None:
-        eps, c, dt = cfg.layer_norm_epsilon, cfg.hidden_size, ctx.dtype
-        self.ln1 = nn.LayerNorm(c, eps, dtype=dt)
-        self.ln2 = nn.LayerNorm(c, eps, dtype=dt)
-        self.att = TimeMix(cfg, ctx)
-        self.ffn = ChannelMix(cfg, ctx)
-
-    def forward(self, x: nn.Tensor, seg: Segments, state: RnnState, layer_id: int):
-        out, state = self.att(probes.probe("ln1", self.ln1(x)), seg, state, layer_id)
-        x = x + out
-        out, state = self.ffn(probes.probe("ln2", self.ln2(x)), seg, state, layer_id)
-        return x + out, state
-
-
 class Rwkv6ForCausalLM(RecurrentLM):
     """The exported model (`recurrent.RecurrentLM`: embed, (batch_)prefill, (batch_)decode, the
     RNN-state constructor, the debug prefill) over these blocks."""
@@ -243,7 +229,10 @@ class Rwkv6ForCausalLM(RecurrentLM):
         self.target = target
         c = cfg.hidden_size
         self.embeddings = Embedding(cfg.vocab_size, c, ctx)  # blocks.0.ln0 folded in
-        self.blocks = nn.ModuleList([Block(cfg, ctx) for _ in range(cfg.num_hidden_layers)])
+        self.blocks = nn.ModuleList([
+            RwkvBlock(TimeMix(cfg, ctx), ChannelMix(cfg, ctx), cfg.hidden_size,
+                      cfg.layer_norm_epsilon, ctx.dtype)
+            for _ in range(cfg.num_hidden_layers)])
         self.ln_out = nn.LayerNorm(c, cfg.layer_norm_epsilon, dtype=mode.dtype)
         self.head = Linear(c, cfg.vocab_size, False, ctx, head=True)
 
