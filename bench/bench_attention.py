@@ -35,6 +35,7 @@ def main() -> None:
     import tvm
     from tvm.relax.frontend.nn.llm import kv_cache as tvm_kv
 
+    from localchat.engine.device import cpu_target
     from localchat.engine.kernels import attention as ours
 
     h_q, h_kv = (int(x) for x in args.heads.split(","))
@@ -42,13 +43,8 @@ def main() -> None:
     dtype = "float32"
     ps = 16
     dev = tvm.cpu()
-    target = tvm.target.Target(
-        {
-            "kind": "llvm",
-            "mcpu": tvm.target.codegen.llvm_get_system_cpu(),
-            "num-cores": args.threads,
-        }
-    )
+    # this CPU less the features its OS hides (a VM may hide AVX-512 from a CPU model that has it)
+    target = cpu_target(args.threads)
     rng = np.random.default_rng(0)
     sm_scale = d**-0.5
 

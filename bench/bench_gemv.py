@@ -9,7 +9,8 @@ stored padded to whole groups of 32). Candidates, one column each:
 
 * 4-bit modes: `gemv` (generic register unpacking), `gemv avx512` (table-lookup unpacking; only
   where the CPU has AVX-512F), `gemv vnni` (int8 activations, VNNI dot products; only where the
-  CPU has AVX-512 VNNI; checked against float x with a tolerance for int8 rounding) and
+  CPU has AVX-512 VNNI; checked against float x with a tolerance for int8 rounding), `gemv avx2`
+  (the same int8 route with AVX2's pmaddubsw; where the CPU has AVX2) and
   `linear_q4`, the Llama family's kernel as a model calls it (one
   row: it branches to the GEMV for the target; more rows: the blocked prefill kernel);
 * float modes (q0*): `gemv_f` (RWKV's decode) and `linear_f` (what the Llama family runs);
@@ -68,19 +69,15 @@ def main() -> None:
     import tvm
 
     from localchat.engine.build.quantization import dequantize_q4, get_quant_mode, quantize_q4
+    from localchat.engine.device import cpu_target
     from localchat.engine.kernels import gemv, matmul
-    from localchat.engine.kernels.common import has_avx512, has_avx512_vnni
+    from localchat.engine.kernels.common import has_avx2, has_avx512, has_avx512_vnni
 
     mode = get_quant_mode(args.quant)
     dtype = mode.dtype
     dev = tvm.cpu()
-    target = tvm.target.Target(
-        {
-            "kind": "llvm",
-            "mcpu": tvm.target.codegen.llvm_get_system_cpu(),
-            "num-cores": args.threads,
-        }
-    )
+    # this CPU less the features its OS hides (a VM may hide AVX-512 from a CPU model that has it)
+    target = cpu_target(args.threads)
     avx512 = has_avx512(target)
     vnni = has_avx512_vnni(target)
     candidates: dict[str, Callable] = {}
@@ -90,6 +87,8 @@ def main() -> None:
             candidates["gemv avx512"] = lambda k, n, dt: gemv.gemv_q4(k, n, dt, avx512=True)
         if vnni:
             candidates["gemv vnni"] = lambda k, n, dt: gemv.gemv_q4(k, n, dt, avx512="vnni")
+        if has_avx2(target):
+            candidates["gemv avx2"] = lambda k, n, dt: gemv.gemv_q4(k, n, dt, avx512="avx2")
         candidates["linear_q4"] = lambda k, n, dt: matmul.linear_q4(k, n, dt, False)
     else:
         candidates["gemv_f"] = gemv.gemv_f
@@ -137,7 +136,7 @@ def main() -> None:
             err = np.abs(y.numpy() - ref).max() / np.abs(ref).max()
             # against the dequantized weights; int8 activations (vnni) round x to ~1/254 of
             # each group's largest value
-            tol = 2e-2 if "vnni" in name else 1e-4 if dtype == "float32" else 1e-2
+            tol = 2e-2 if "vnni" in name or "avx2" in name else 1e-4 if dtype == "float32" else 1e-2
             if err > tol:
                 raise SystemExit(f"{name} {k}x{n}: relative error {err:.3g}")
             calls[name] = functools.partial(_call, f, x, sets, y)

@@ -1,4 +1,5 @@
-"""The int8-activation 4-bit decode GEMV (AVX-512 VNNI, `gemv.gemv_q4(..., avx512="vnni")`).
+"""The int8-activation 4-bit decode GEMV: AVX-512 VNNI (`gemv.gemv_q4(..., avx512="vnni")`) and
+AVX2's pmaddubsw route (`avx512="avx2"`), each where the CPU has it.
 
 x is quantized per row and group of 32 to int8 (scale max|x| / 127, round half to even), so the
 kernel's exact reference is the dequantized weights times that quantized x: a tight tolerance
@@ -20,13 +21,18 @@ from model_oracle import rel_err
 AGREE_STEPS = 128
 
 
-def _target():
+ISAS = ["vnni", "avx2"]
+
+
+def _target(isa: str = "vnni"):
     from localchat.engine.device import cpu_target
-    from localchat.engine.kernels.common import has_avx512_vnni
+    from localchat.engine.kernels.common import has_avx2, has_avx512_vnni
 
     target = cpu_target()
-    if not has_avx512_vnni(target):
+    if isa == "vnni" and not has_avx512_vnni(target):
         pytest.skip("this CPU has no AVX-512 VNNI (avx512_vnni): the int8 GEMV is not built")
+    if isa == "avx2" and not has_avx2(target):
+        pytest.skip("this CPU has no AVX2: the pmaddubsw GEMV is not built")
     return target
 
 
@@ -69,11 +75,14 @@ def _run(lib, args, m: int, n: int) -> np.ndarray:
         (9, 7, True),  # less than one group
     ],
 )
-def test_vnni_gemv_matches_numpy_and_is_batch_invariant(k: int, n: int, bias: bool) -> None:
+@pytest.mark.parametrize("isa", ISAS)
+def test_int8_gemv_matches_numpy_and_is_batch_invariant(
+    k: int, n: int, bias: bool, isa: str
+) -> None:
     from localchat.engine.build.quantization import dequantize_q4, padded_k, quantize_q4
     from localchat.engine.kernels import gemv
 
-    target = _target()
+    target = _target(isa)
     rng = np.random.default_rng(k * 31 + n)
     words, scale = quantize_q4(rng.standard_normal((n, k), dtype=np.float32) * 0.05, "float32")
     b = rng.standard_normal(n).astype(np.float32)
@@ -81,7 +90,7 @@ def test_vnni_gemv_matches_numpy_and_is_batch_invariant(k: int, n: int, bias: bo
     x = rng.standard_normal((16, k), dtype=np.float32)
     x[3] = 0  # an all-zero row: scale 0, nothing divided by it
     x[5, : min(k, 40)] *= 1000  # groups of very different magnitude in one row
-    lib = _build(target, gemv.gemv_q4(k, n, "float32", "vnni", bias))
+    lib = _build(target, gemv.gemv_q4(k, n, "float32", isa, bias))
     rows = {}
     for m in (1, 3, 16):
         args = (x[:m], words, scale, *([b] if bias else []))
@@ -96,12 +105,13 @@ def test_vnni_gemv_matches_numpy_and_is_batch_invariant(k: int, n: int, bias: bo
     assert np.array_equal(rows[16][:3], rows[3]), "rows 0-2 differ with 16 rows"
 
 
-def test_vnni_gemv_float16() -> None:
+@pytest.mark.parametrize("isa", ISAS)
+def test_int8_gemv_float16(isa: str) -> None:
     """q4f16 modes: x, scales, bias and y in float16 (accumulation in float32)."""
     from localchat.engine.build.quantization import dequantize_q4, padded_k, quantize_q4
     from localchat.engine.kernels import gemv
 
-    target = _target()
+    target = _target(isa)
     k, n = 640, 24
     rng = np.random.default_rng(7)
     words, scale = quantize_q4(rng.standard_normal((n, k), dtype=np.float32) * 0.05, "float16")
@@ -109,7 +119,7 @@ def test_vnni_gemv_float16() -> None:
     b = rng.standard_normal(n).astype(np.float16)
     import tvm
 
-    func = gemv.gemv_q4(k, n, "float16", "vnni", True)
+    func = gemv.gemv_q4(k, n, "float16", isa, True)
     lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target)
     y = tvm.runtime.tensor(np.zeros((4, n), np.float16), tvm.cpu())
     lib["main"](*[tvm.runtime.tensor(a, tvm.cpu()) for a in (x, words, scale, b)], y)
@@ -126,6 +136,16 @@ def test_models_pick_the_vnni_gemv() -> None:
     target = _target()
     assert gemv_isa(target) == "vnni"
     assert has_avx512(target)
+
+
+def test_models_pick_the_avx2_gemv_without_avx512() -> None:
+    """An AVX2 CPU without AVX-512 gets the pmaddubsw GEMV ("avx2"), not the float one."""
+    from localchat.engine.kernels.common import gemv_isa, has_avx512
+
+    target = _target("avx2")
+    if has_avx512(target):
+        pytest.skip("this CPU has AVX-512: it runs the VNNI or table-lookup GEMV")
+    assert gemv_isa(target) == "avx2"
 
 
 @pytest.fixture(scope="module")

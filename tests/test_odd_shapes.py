@@ -133,13 +133,13 @@ def model(arch: str, quant: str) -> Model:
 
 def _tolerance(quant: str) -> float:
     """Float activations match the oracle (same quantized weights) to float rounding; on a CPU
-    with AVX-512 VNNI the 4-bit kernels quantize activations to int8 per group of 32, as
+    with AVX-512 VNNI or AVX2 the 4-bit kernels quantize activations to int8 per group of 32, as
     llama.cpp does, which moves logits by ~4e-3 of their largest (the kernel itself is checked
     exactly against that int8 rounding in test_gemv_vnni)."""
     from localchat.engine.device import cpu_target
-    from localchat.engine.kernels.common import has_avx512_vnni
+    from localchat.engine.kernels.common import int8_activations
 
-    if quant != "q0f32" and has_avx512_vnni(cpu_target()):
+    if quant != "q0f32" and int8_activations(cpu_target()):
         return 2e-2
     return 1e-4
 

@@ -217,28 +217,28 @@ def test_float_kernels_match_numpy(k: int, n: int, bias: bool) -> None:
         (9, 7, True),  # less than one group
     ],
 )
-def test_vnni_kernels_match_the_int8_reference(k: int, n: int, bias: bool) -> None:
-    """The VNNI GEMVs (asymmetric 4-bit, 8-bit) equal the dequantized weights times x rounded
-    to int8 per group as the kernels do (the 4-bit min term uses the int8 sums, so that holds
-    exactly), and a row's bits do not depend on the other rows."""
-    from test_gemv_vnni import _quantize_x
+@pytest.mark.parametrize("isa", ["vnni", "avx2"])
+def test_int8_kernels_match_the_int8_reference(k: int, n: int, bias: bool, isa: str) -> None:
+    """The int8 GEMVs (asymmetric 4-bit with VNNI or AVX2; 8-bit with VNNI) equal the
+    dequantized weights times x rounded to int8 per group as the kernels do (the 4-bit min term
+    uses the int8 sums, so that holds exactly), and a row's bits do not depend on the other
+    rows."""
+    from test_gemv_vnni import _quantize_x, _target
 
-    from localchat.engine.device import cpu_target
     from localchat.engine.kernels import gemv
-    from localchat.engine.kernels.common import has_avx512_vnni
 
-    if not has_avx512_vnni(cpu_target()):
-        pytest.skip("this CPU has no AVX-512 VNNI (avx512_vnni): the int8 GEMVs are not built")
+    _target(isa)  # skips where the CPU lacks `isa`
     rng, q4, dense4, q8, dense8 = _dense_asym(k, n, 3 * k + n)
     b = rng.standard_normal(n).astype(np.float32) if bias else None
-    lib = _compile({
-        "asym": gemv.gemv_q4(k, n, "float32", "vnni", bias, asym=True),
-        "q8": gemv.gemv_q8(k, n, "float32", "vnni", bias),
-    })
+    funcs = {"asym": gemv.gemv_q4(k, n, "float32", isa, bias, asym=True)}
+    kernels = {"asym": (q4, dense4)}
+    if isa == "vnni":  # with AVX2 the 8-bit head stays in float arithmetic
+        funcs["q8"] = gemv.gemv_q8(k, n, "float32", "vnni", bias)
+        kernels["q8"] = (q8, dense8)
+    lib = _compile(funcs)
     x = rng.standard_normal((6, k), dtype=np.float32)
     x[2] = 0  # an all-zero row
     x[4, : min(k, 40)] *= 1000  # groups of very different magnitude in one row
-    kernels = {"asym": (q4, dense4), "q8": (q8, dense8)}
     _check(lib, kernels, x, b, n, 2e-6, exact_x=_quantize_x(x, padded_k(k)))
     _check(lib, kernels, x, b, n, 2e-2)  # and near the float product
 

@@ -66,13 +66,15 @@ def hidden_cpu_features(mcpu: str, flags: set[str] | None) -> list[str]:
             if flag not in flags and codegen.llvm_cpu_has_features([feature], probe)]
 
 
-def cpu_target() -> Target:
+def cpu_target(num_cores: int | None = None) -> Target:
     """llvm for this very CPU, so LLVM uses its vector extensions (AVX2/AVX-512/NEON), less
-    any the OS hides (see `hidden_cpu_features`)."""
+    any the OS hides (see `hidden_cpu_features`); `num_cores` defaults to all CPUs."""
     from tvm.target import codegen
 
     mcpu = codegen.llvm_get_system_cpu()
-    spec: dict[str, object] = {"kind": "llvm", "mcpu": mcpu, "num-cores": os.cpu_count() or 1}
+    spec: dict[str, object] = {
+        "kind": "llvm", "mcpu": mcpu, "num-cores": num_cores or os.cpu_count() or 1
+    }
     hidden = hidden_cpu_features(mcpu, _os_cpu_flags())
     if hidden:
         spec["mattr"] = [f"-{feature}" for feature in hidden]

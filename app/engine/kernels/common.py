@@ -31,8 +31,10 @@ __all__ = [
     "divisor",
     "exp2",
     "gemv_isa",
+    "has_avx2",
     "has_avx512",
     "has_avx512_vnni",
+    "int8_activations",
     "padded_k",
     "scheduled",
     "tanh",
@@ -89,38 +91,48 @@ def vec_width(n: int) -> int:
     return divisor(n, (LANES, 8, 4, 2))
 
 
-def has_avx512(target: Target) -> bool:
-    """Whether `target` is an llvm CPU target with AVX-512F (the GEMV's table-lookup unpack)."""
+def _has_features(target: Target, features: list[str]) -> bool:
     if target.kind.name != "llvm":
         return False
     from tvm.target import codegen
 
     try:
-        return bool(codegen.llvm_cpu_has_features(["avx512f"], target))
+        return bool(codegen.llvm_cpu_has_features(features, target))
     except Exception:  # an LLVM without x86, or a CPU it does not know
         return False
+
+
+def has_avx2(target: Target) -> bool:
+    """Whether `target` is an llvm CPU target with AVX2 (the int8 GEMV's pmaddubsw route)."""
+    return _has_features(target, ["avx2"])
+
+
+def has_avx512(target: Target) -> bool:
+    """Whether `target` is an llvm CPU target with AVX-512F (the GEMV's table-lookup unpack)."""
+    return _has_features(target, ["avx512f"])
 
 
 def has_avx512_vnni(target: Target) -> bool:
     """Whether `target` is an llvm CPU target with AVX-512F and AVX-512 VNNI (the int8 GEMV)."""
-    if not has_avx512(target):
-        return False
-    from tvm.target import codegen
-
-    try:
-        return bool(codegen.llvm_cpu_has_features(["avx512vnni", "avx512vl"], target))
-    except Exception:  # an LLVM without x86, or a CPU it does not know
-        return False
+    return _has_features(target, ["avx512f", "avx512vnni", "avx512vl"])
 
 
 def gemv_isa(target: Target) -> bool | str:
     """Which 4-bit decode GEMV suits `target`, as the `avx512` argument of `gemv.gemv_q4` and of
-    the models' Linear layers: "vnni" (int8 activations, VNNI dot products), True (AVX-512F:
-    float activations, table-lookup unpacking) or False (the generic kernel). Truthy exactly when
-    the target has AVX-512F."""
+    the models' Linear layers: "vnni" (int8 activations, AVX-512 VNNI dot products), True
+    (AVX-512F without VNNI: float activations, table-lookup unpacking), "avx2" (int8 activations,
+    AVX2 pmaddubsw) or False (the generic float kernel)."""
     if has_avx512_vnni(target):
         return "vnni"
-    return has_avx512(target)
+    if has_avx512(target):
+        return True
+    return "avx2" if has_avx2(target) else False
+
+
+def int8_activations(target: Target) -> bool:
+    """Whether the 4-bit kernels for `target` round activations to int8 per group of 32 (the
+    VNNI and AVX2 GEMVs, as llama.cpp does): results within that rounding, not float's."""
+    return gemv_isa(target) in ("vnni", "avx2")
 
 
 def transpose_x(k: int, with_sums: bool):

@@ -71,6 +71,8 @@ LONG_K = 4096  # beyond this reduction size the AVX-512 kernel shares x between 
 LONG_ROWS = 8  # rows sharing each load of x when k > LONG_K
 LONG_VEC_UNROLL = 1  # word vectors in flight per row when k > LONG_K
 F32 = "float32"
+INT8_ISAS = ("vnni", "avx2")  # `gemv_isa` values that run the int8-activation GEMV
+# (`common.int8_activations` says the same of a target)
 
 
 def _nibble_dot(w, xp, row, r, word, centered: bool = False):
@@ -140,8 +142,8 @@ def gemv_q4_macro(
     sum (q scale + min) x = scale sum q x + min sum x: the nibbles are taken as 0..15 and the mins
     meet per-word sums of x (the generic kernel's sums for the -8 offset; the table kernel
     computes them too)."""
-    if avx512 == "vnni":
-        return gemv_q4_vnni_macro(k, n, dtype, bias, asym=asym)
+    if avx512 in INT8_ISAS:
+        return gemv_q4_vnni_macro(k, n, dtype, bias, asym=asym, isa=avx512)
     kw = padded_k(k) // NIBBLES_PER_WORD
     nv = kw // LANES  # full vectors of 16 words per row
     tw = kw % LANES  # words of the last, narrower vector (a multiple of 4)
@@ -327,6 +329,41 @@ def _dpbusd(acc, a_u8, b_s8, groups: int):
     )
 
 
+def _halves(vec, lanes: int):
+    """The low and high halves of the `lanes` lanes of `vec`."""
+    half = lanes // 2
+    return (tirx.Shuffle([vec], list(range(half))), tirx.Shuffle([vec], list(range(half, lanes))))
+
+
+def _maddubs(a_u8, b_s8, groups: int):
+    """pmaddubsw over the 4 `groups` bytes of a and b: int16 lane i = u8(a[2i]) s8(b[2i]) +
+    u8(a[2i+1]) s8(b[2i+1]) (saturating, which the GEMV never reaches: nibbles are at most 15
+    and |x| at most 127), so lanes 2e and 2e + 1 hold 32-bit lane e's four products. AVX2 does
+    32 bytes at a time: wider vectors are split and joined."""
+    a = T.reinterpret(f"int8x{4 * groups}", a_u8)
+    b = T.reinterpret(f"int8x{4 * groups}", b_s8)
+    if groups == 4:
+        return T.call_llvm_pure_intrin("int16x8", "llvm.x86.ssse3.pmadd.ub.sw.128", a, b)
+    parts = [
+        T.call_llvm_pure_intrin("int16x16", "llvm.x86.avx2.pmadd.ub.sw", ah, bh)
+        for ah, bh in zip(_halves(a, 4 * groups), _halves(b, 4 * groups))
+    ]
+    return tirx.Shuffle(parts, list(range(2 * groups)))
+
+
+def _madd_pairs(v16, groups: int):
+    """pmaddwd with ones: int32 lane e = int16 lanes 2e + 2e+1 of `v16` (2 `groups` lanes)."""
+    if groups == 4:
+        return T.call_llvm_pure_intrin(
+            "int32x4", "llvm.x86.sse2.pmadd.wd", v16, T.Broadcast(T.int16(1), 8)
+        )
+    parts = [
+        T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd", h, T.Broadcast(T.int16(1), 16))
+        for h in _halves(v16, 2 * groups)
+    ]
+    return tirx.Shuffle(parts, list(range(groups)))
+
+
 def _unpack_unit(vectors, groups: int):
     """The 8 byte vectors of a unit of `groups` groups (4 * groups words, given as 16-word
     vectors) concatenated: for j = 0..3, h = 0..1, slice 2j + h holds in lane e the nibbles h, h+2,
@@ -342,10 +379,12 @@ def _unpack_unit(vectors, groups: int):
 
 
 def gemv_q4_vnni_macro(
-    k: int, n: int, dtype: str, bias: bool, rows: int = VNNI_ROWS, asym: bool = False
+    k: int, n: int, dtype: str, bias: bool, rows: int = VNNI_ROWS, asym: bool = False,
+    isa: str = "vnni",
 ):
     """The 4-bit GEMV with int8 activations and AVX-512 VNNI, as a macro `(x, w, s, b, y, m)`
-    over the buffers of `gemv_q4_macro`.
+    over the buffers of `gemv_q4_macro`. `isa` "avx2": the same layout and integer results with
+    AVX2's pmaddubsw / pmaddwd in place of vpdpbusd (llama.cpp's AVX2 route).
 
     x is quantized once per call, per row and group of 32 values, to int8 (scale max|x| / 127,
     round to nearest even) in a layout matched to the weight words: a unit of G groups (16, or 4
@@ -448,6 +487,19 @@ def gemv_q4_vnni_macro(
 
     def chain(wl, xq, xo, r, g0, groups):
         acc = T.Broadcast(T.int32(0), groups) if asym else xo[r, T.Ramp(g0, 1, groups)]
+        if isa == "avx2":
+            # the 8 int16 partial sums add up in int16 (at most 8 * 2 * 15 * 127 = 30480 in
+            # size), then one pmaddwd widens each lane pair: 8 + 7 + 1 operations per unit
+            # where AVX-512 VNNI takes 8
+            s16 = None
+            for q in range(8):
+                p = _maddubs(
+                    wl[T.Ramp(q * groups, 1, groups)],
+                    xq[r, T.Ramp(g0 * XQ_WORDS_PER_GROUP + q * groups, 1, groups)],
+                    groups,
+                )
+                s16 = p if s16 is None else s16 + p
+            return T.Cast(f"float32x{groups}", acc + _madd_pairs(s16, groups))
         for q in range(8):
             acc = _dpbusd(
                 acc,
@@ -601,7 +653,8 @@ def gemv_q4(
     `avx512`: True: unpack with a table lookup (the target must have AVX-512F;
     `common.has_avx512`); "vnni": int8 activations and VNNI dot products (`gemv_q4_vnni_macro`;
     the target must have AVX-512 VNNI, `common.has_avx512_vnni`), results within int8 rounding of
-    x (~1e-3 relative) rather than float rounding.
+    x (~1e-3 relative) rather than float rounding; "avx2": the same with AVX2's pmaddubsw (the
+    same bits as "vnni": integer dot products).
     One row (single-sequence decode) has its own copy of the body with m = 1 known: with
     no-alias buffers LLVM schedules the short-k loops of the dynamic-m body ~1.4x slower
     (k = 512: 34 vs 24 us, Zen 4, 2 threads)."""

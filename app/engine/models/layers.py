@@ -3,9 +3,10 @@
 A Linear holds its weight as float [out, in] or, in a 4-bit mode, as packed words and scales
 (see `localchat.engine.build.quantization`). On the CPU its product runs in the hand-scheduled
 kernels of `kernels.matmul`, or with `gemv` (decode and logits: a few rows) in the decode GEMV of
-`kernels.gemv` (`avx512`, from `kernels.common.gemv_isa`: "vnni" for the int8 VNNI form, True
-for the AVX-512 table-lookup form, False for the generic one). With VNNI a 4-bit Linear runs the
-VNNI GEMV for every step, prefill included (it is the faster kernel at any row count). The caller
+`kernels.gemv` (`avx512`, from `kernels.common.gemv_isa`: "vnni" for the int8 VNNI form, "avx2"
+for the same int8 form with AVX2's pmaddubsw, True for the AVX-512 table-lookup form, False for
+the generic one). With either int8 form a 4-bit Linear runs that GEMV for every step, prefill
+included (it is the faster kernel at any row count). The caller
 chooses by the kind of step, never by the row count: the two kernels sum in different orders,
 and a sequence must get the same bits alone as batched with others. On GPUs it is expressed as
 dequantize + matmul, which FuseOps/FuseTIR merge into one kernel that dlight then schedules.
@@ -49,7 +50,7 @@ class BuildContext:
     mode: QuantMode
     target: Target
     target_kind: str = field(init=False)
-    isa: bool | str = field(init=False)  # `kernels.common.gemv_isa`: "vnni", True or False
+    isa: bool | str = field(init=False)  # `kernels.common.gemv_isa`: "vnni", True, "avx2", False
 
     def __post_init__(self) -> None:
         kind = self.target.kind.name
@@ -167,9 +168,10 @@ def linear(
                                         sdt)
         elif gemv and bias is None:
             func = gemv_kernels.gemv_f(int(k), int(n), mode.dtype)
-        elif mode.quantized and avx512 == "vnni":
-            # prefill too: with int8 x and VNNI the GEMV's row blocks beat the float blocked
-            # kernel 2-2.5x at 128 rows, and a row's bits still do not depend on the others
+        elif mode.quantized and avx512 in gemv_kernels.INT8_ISAS:
+            # prefill too: with int8 x the GEMV's row blocks beat the float blocked kernel at
+            # 128 rows (VNNI 2-2.5x; AVX2 1.1-1.6x, Zen 4), and a row's bits still do not
+            # depend on the others
             func_is_gemv = True
             func = gemv_kernels.gemv_q4(int(k), int(n), mode.dtype, avx512, bias is not None, asym,
                                         sdt)
