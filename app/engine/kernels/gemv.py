@@ -329,39 +329,60 @@ def _dpbusd(acc, a_u8, b_s8, groups: int):
     )
 
 
-def _halves(vec, lanes: int):
-    """The low and high halves of the `lanes` lanes of `vec`."""
-    half = lanes // 2
-    return (tirx.Shuffle([vec], list(range(half))), tirx.Shuffle([vec], list(range(half, lanes))))
+def _chunks(vec, lanes: int, size: int) -> list:
+    """`vec` (`lanes` lanes) as consecutive pieces of `size` lanes."""
+    if lanes == size:
+        return [vec]
+    return [tirx.Shuffle([vec], list(range(i, i + size))) for i in range(0, lanes, size)]
+
+
+def _x86_bytes(name: str, ret: str, a, b, nbytes: int):
+    """An SSSE3 / AVX2 intrinsic on byte vectors of `nbytes` (16: the 128-bit form; otherwise
+    32-byte pieces joined back): `name` without its width suffix, `ret` the lane type of a
+    32-byte piece's result with its lane count for 32 bytes (e.g. ("int16", 16))."""
+    lane, per32 = ret
+    if nbytes == 16:
+        return T.call_llvm_pure_intrin(
+            f"{lane}x{per32 // 2}", f"llvm.x86.ssse3.{name}.128", a, b
+        )
+    parts = [
+        T.call_llvm_pure_intrin(f"{lane}x{per32}", f"llvm.x86.avx2.{name}", ah, bh)
+        for ah, bh in zip(_chunks(a, nbytes, 32), _chunks(b, nbytes, 32))
+    ]
+    return parts[0] if len(parts) == 1 else tirx.Shuffle(parts, list(range(per32 * len(parts))))
 
 
 def _maddubs(a_u8, b_s8, groups: int):
     """pmaddubsw over the 4 `groups` bytes of a and b: int16 lane i = u8(a[2i]) s8(b[2i]) +
-    u8(a[2i+1]) s8(b[2i+1]) (saturating, which the GEMV never reaches: nibbles are at most 15
-    and |x| at most 127), so lanes 2e and 2e + 1 hold 32-bit lane e's four products. AVX2 does
-    32 bytes at a time: wider vectors are split and joined."""
+    u8(a[2i+1]) s8(b[2i+1]) (saturating, which the GEMVs never reach: |products| are at most
+    15 * 127 for 4-bit weights and 128 * 127 for 8-bit ones), so lanes 2e and 2e + 1 hold 32-bit
+    lane e's four products. AVX2 does 32 bytes at a time: wider vectors are split and joined."""
     a = T.reinterpret(f"int8x{4 * groups}", a_u8)
     b = T.reinterpret(f"int8x{4 * groups}", b_s8)
-    if groups == 4:
-        return T.call_llvm_pure_intrin("int16x8", "llvm.x86.ssse3.pmadd.ub.sw.128", a, b)
-    parts = [
-        T.call_llvm_pure_intrin("int16x16", "llvm.x86.avx2.pmadd.ub.sw", ah, bh)
-        for ah, bh in zip(_halves(a, 4 * groups), _halves(b, 4 * groups))
-    ]
-    return tirx.Shuffle(parts, list(range(2 * groups)))
+    return _x86_bytes("pmadd.ub.sw", ("int16", 16), a, b, 4 * groups)
 
 
 def _madd_pairs(v16, groups: int):
     """pmaddwd with ones: int32 lane e = int16 lanes 2e + 2e+1 of `v16` (2 `groups` lanes)."""
+    ones = T.Broadcast(T.int16(1), 2 * groups)
     if groups == 4:
-        return T.call_llvm_pure_intrin(
-            "int32x4", "llvm.x86.sse2.pmadd.wd", v16, T.Broadcast(T.int16(1), 8)
-        )
+        return T.call_llvm_pure_intrin("int32x4", "llvm.x86.sse2.pmadd.wd", v16, ones)
     parts = [
-        T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd", h, T.Broadcast(T.int16(1), 16))
-        for h in _halves(v16, 2 * groups)
+        T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd", h, o)
+        for h, o in zip(_chunks(v16, 2 * groups, 16), _chunks(ones, 2 * groups, 16))
     ]
-    return tirx.Shuffle(parts, list(range(groups)))
+    return parts[0] if len(parts) == 1 else tirx.Shuffle(parts, list(range(groups)))
+
+
+def _dot_s8s8(w_words, x_words, lanes: int):
+    """int32 lane e = the dot product of the 4 signed bytes of w_words[e] and x_words[e]
+    (AVX2: pmaddubsw takes unsigned times signed bytes, so |w| meets x with w's sign:
+    psignb, llama.cpp's trick; |w| <= 128 and |x| <= 127 keep the pair sums in int16)."""
+    w = T.reinterpret(f"int8x{4 * lanes}", w_words)
+    x = T.reinterpret(f"int8x{4 * lanes}", x_words)
+    mag = T.Select(w < T.Broadcast(T.int8(0), 4 * lanes), T.Broadcast(T.int8(0), 4 * lanes) - w, w)
+    signed = _x86_bytes("psign.b", ("int8", 32), x, w, 4 * lanes)
+    return _madd_pairs(_maddubs(mag, signed, lanes), lanes)
 
 
 def _unpack_unit(vectors, groups: int):
@@ -803,9 +824,12 @@ Q8_UNIT = 16  # groups per unit of the 8-bit VNNI GEMV: 512 weight bytes, 8 vect
 SIGN_FLIP = 0x80808080  # xor: int8 bytes -> uint8 bytes + 128
 
 
-def gemv_q8_vnni_macro(k: int, n: int, dtype: str, bias: bool, rows: int = VNNI_ROWS):
+def gemv_q8_vnni_macro(
+    k: int, n: int, dtype: str, bias: bool, rows: int = VNNI_ROWS, isa: str = "vnni"
+):
     """The 8-bit GEMV with int8 activations and AVX-512 VNNI, as a macro `(x, w, s, b, y, m)`
-    over the buffers of `gemv_q8_macro`.
+    over the buffers of `gemv_q8_macro`; `isa` "avx2": the same with `_dot_s8s8` (pmaddubsw on
+    |w| and x signed by w) in place of the flipped bytes and vpdpbusd.
 
     x is quantized once per call as in the 4-bit VNNI GEMV (per row and group of 32, int8 at scale
     max |x| / 127), here in its natural order: xq word j of group g holds values 4 j .. 4 j + 3.
@@ -862,9 +886,10 @@ def gemv_q8_vnni_macro(k: int, n: int, dtype: str, bias: bool, rows: int = VNNI_
         xq[r, T.Ramp(g * wpg, 1, wpg)] = T.reinterpret(
             f"int32x{wpg}", T.Cast(f"int8x{GROUP_SIZE}", qv[T.Ramp(0, 1, GROUP_SIZE)])
         )
-        xo[r, T.Ramp(g * wpg, 1, wpg)] = quad_sums(qv[T.Ramp(0, 1, GROUP_SIZE)]) * T.Broadcast(
-            T.int32(-128), wpg
-        )
+        if isa != "avx2":
+            xo[r, T.Ramp(g * wpg, 1, wpg)] = quad_sums(
+                qv[T.Ramp(0, 1, GROUP_SIZE)]
+            ) * T.Broadcast(T.int32(-128), wpg)
 
     @T.macro
     def prep(x, xq, xs, xo, m):
@@ -877,9 +902,13 @@ def gemv_q8_vnni_macro(k: int, n: int, dtype: str, bias: bool, rows: int = VNNI_
     def wvec(w, row, byte0, lanes):
         """`lanes` words of row `row` of W from byte byte0, as unsigned bytes w + 128."""
         words = T.reinterpret(f"uint32x{lanes}", w[row, T.Ramp(byte0, 1, 4 * lanes)])
+        if isa == "avx2":
+            return words
         return T.bitwise_xor(words, T.Broadcast(T.uint32(SIGN_FLIP), lanes))
 
     def dot(wl, xq, xo, r, word0, lanes):
+        if isa == "avx2":
+            return T.Cast(f"float32x{lanes}", _dot_s8s8(wl, xq[r, T.Ramp(word0, 1, lanes)], lanes))
         return T.Cast(
             f"float32x{lanes}",
             _dpbusd(xo[r, T.Ramp(word0, 1, lanes)], wl, xq[r, T.Ramp(word0, 1, lanes)], lanes),
@@ -947,7 +976,7 @@ def gemv_q8_vnni_macro(k: int, n: int, dtype: str, bias: bool, rows: int = VNNI_
     def vnni(x, w, s, b, y, m):
         xq = T.alloc_buffer((m, kg * wpg), i32)
         xs = T.alloc_buffer((m, kg), F32)
-        xo = T.alloc_buffer((m, kg * wpg), i32)
+        xo = T.alloc_buffer((m, kg * wpg if isa != "avx2" else 1), i32)
         prep(x, xq, xs, xo, m)
         for row in T.parallel(n):
             for rb in range(m // rows):
@@ -970,11 +999,11 @@ def gemv_q8(
     head of the asymmetric modes (`quantization.quantize_q8`: int8 W, float16 S, value W * S; kp
     = `padded_k(k)`, the padding columns 0).
 
-    `avx512`: "vnni": int8 activations and VNNI dot products (`gemv_q8_vnni_macro`; results within
-    int8 rounding of x, as the 4-bit VNNI GEMV's); anything else: float arithmetic
+    `avx512`: "vnni" / "avx2": int8 activations and integer dot products (`gemv_q8_vnni_macro`;
+    results within int8 rounding of x, as the 4-bit int8 GEMVs'); anything else: float arithmetic
     (`gemv_q8_macro`), which LLVM vectorizes for the target."""
-    if avx512 == "vnni":
-        body = gemv_q8_vnni_macro(k, n, dtype, bias)
+    if avx512 in INT8_ISAS:
+        body = gemv_q8_vnni_macro(k, n, dtype, bias, isa=avx512)
     else:
         body = gemv_q8_macro(k, n, dtype, bias)
     kp = padded_k(k)
