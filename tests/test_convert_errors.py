@@ -138,3 +138,17 @@ def test_folder_without_a_tokenizer(tmp_path: Path, good: Path) -> None:
     (good / "tokenizer.json").unlink()
     assert_one_line_error(convert(good, tmp_path / "out"), "no tokenizer")
     assert not (tmp_path / "out").exists()
+
+
+def test_help_names_every_quantization_mode() -> None:
+    """`localchat convert --help` lists every mode the engine knows (the help is spelled out
+    so that it needs no engine import; this keeps the two in step)."""
+    from localchat.engine.build.quantization import QUANT_MODES
+
+    out = subprocess.run(
+        [sys.executable, "-m", "localchat.cli", "convert", "--help"],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    flat = " ".join(out.split())
+    missing = [name for name in QUANT_MODES if name not in flat]
+    assert not missing, f"convert --help does not name {missing}"

@@ -14,11 +14,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("convert", help="build a model directory from an HF folder, a .gguf or "
                        "an RWKV .pth")
     p.add_argument("source", help="HF model folder (config.json + weights + tokenizer), a "
-                   ".gguf file (Llama architecture) or a BlinkDL RWKV-4/RWKV-7 .pth file")
+                   ".gguf file (llama.cpp's layout) or a BlinkDL RWKV-4/6/7 .pth file")
+    # the modes are spelled out rather than read from the engine: --help stays import-free
     p.add_argument("--quant", default=None,
-                   help="q0f32, q0f16, q4f32_1, q4f16_1, q4f32_asym or q4f16_asym (default: "
-                   "q4f32_1; for a Q4_1 .gguf on the CPU q4f32_asym, which holds its weights "
-                   "exactly)")
+                   help="q0f32, q0f16, q4f32_1, q4f16_1, q4f32_asym, q4f16_asym, q4f32_0, "
+                   "q4f16_0 or q4f32_k (default: q4f32_1; for a .gguf of Q4_1, Q4_0 or "
+                   "Q4_K(_M) on the CPU q4f32_asym, q4f32_0 or q4f32_k, which hold its 4-bit "
+                   "blocks exactly)")
     p.add_argument("--output", "-o", required=True, help="model directory to create")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, metal or vulkan")
     p.add_argument("--context-window", type=int, default=None)
