@@ -289,6 +289,8 @@ def gemv_q4_macro(
 
 
 VNNI_ROWS = 8  # rows of x sharing each unpacked weight vector in the VNNI GEMV
+# rows of W per tile when many rows of x run (prefill; 16: 3% slower, 256: k = 8192 overflows L2)
+TILE_ROWS = 64
 AVX2_UNIT = 8  # groups per unit in the AVX2 int8 GEMV (16 with VNNI)
 AVX2_ROWS = 8  # rows of x per block in the AVX2 int8 GEMV (4 and 16: no faster)
 XQ_WORDS_PER_GROUP = GROUP_SIZE // 4  # int8 x of one group: 32 bytes = 8 int32 words
@@ -619,48 +621,80 @@ def gemv_q4_vnni_macro(
                 store(y, b, r0 + rr, row, sum_lanes(f4, rr * 4, 4))
 
     @T.macro
+    def part_copy(w, s, wt, st, mt, row):
+        """The last, partial unit of W's row `row` (and its scales), zero-padded to 4 groups."""
+        if has_part:
+            for i in range(LANES):
+                wt[i] = T.Select(
+                    i < part * WORDS_PER_GROUP,
+                    w[row, T.min(gp * WORDS_PER_GROUP + i, kw - 1)],
+                    T.uint32(0),
+                )
+            if asym:
+                for i in range(4):
+                    st[i] = T.Select(
+                        i < part, T.Cast(F32, s[row, 2 * T.min(gp + i, kg - 1)]), T.float32(0)
+                    )
+                    mt[i] = T.Select(
+                        i < part,
+                        T.Cast(F32, s[row, 2 * T.min(gp + i, kg - 1) + 1]),
+                        T.float32(0),
+                    )
+            else:
+                for i in range(4):
+                    st[i] = T.Select(
+                        i < part, T.Cast(F32, s[row, T.min(gp + i, kg - 1)]), T.float32(0)
+                    )
+
+    @T.macro
+    def tail_blocks(w, s, b, y, xq, xs, xo, wt, st, mt, row, m):
+        """The rows of x after the whole blocks of `rows`, in blocks of 4, 2 and 1."""
+        if m % rows >= 4:
+            block(w, s, b, y, xq, xs, xo, wt, st, mt, row, m - m % rows, 4)
+        if m % 4 >= 2:
+            block(w, s, b, y, xq, xs, xo, wt, st, mt, row, m - m % 4, 2)
+        if m % 2 == 1:
+            block(w, s, b, y, xq, xs, xo, wt, st, mt, row, m - 1, 1)
+
+    nr = divisor(n, (TILE_ROWS, 32, 16, 8, 4, 2))
+
+    @T.macro
     def vnni(x, w, s, b, y, m):
         xq = T.alloc_buffer((m, kg4 * XQ_WORDS_PER_GROUP), i32)
         xs = T.alloc_buffer((m, kg4), F32)
         xo = T.alloc_buffer((m, kg4), F32 if asym else i32)
         prep(x, xq, xs, xo, m)
-        for row in T.parallel(n):
-            wt = T.alloc_buffer((LANES,), "uint32")
-            st = T.alloc_buffer((4,), F32)
-            if asym:
-                mt = T.alloc_buffer((4,), F32)
-            else:
-                mt = T.meta_var(None)
-            if has_part:
-                for i in range(LANES):
-                    wt[i] = T.Select(
-                        i < part * WORDS_PER_GROUP,
-                        w[row, T.min(gp * WORDS_PER_GROUP + i, kw - 1)],
-                        T.uint32(0),
-                    )
+        if m > rows:
+            # Many rows (prefill): a block of x (rows x k bytes of int8) meets a tile of `nr`
+            # rows of W before the next block, so it is read from L1 rather than from L2 once
+            # per row of W (which bounded the kernel at L2's bandwidth); the tile's weights
+            # come from L2. A row's operations are the same as untiled.
+            for tile in T.parallel(n // nr):
+                wt = T.alloc_buffer((LANES,), "uint32")
+                st = T.alloc_buffer((4,), F32)
                 if asym:
-                    for i in range(4):
-                        st[i] = T.Select(
-                            i < part, T.Cast(F32, s[row, 2 * T.min(gp + i, kg - 1)]), T.float32(0)
-                        )
-                        mt[i] = T.Select(
-                            i < part,
-                            T.Cast(F32, s[row, 2 * T.min(gp + i, kg - 1) + 1]),
-                            T.float32(0),
-                        )
+                    mt = T.alloc_buffer((4,), F32)
                 else:
-                    for i in range(4):
-                        st[i] = T.Select(
-                            i < part, T.Cast(F32, s[row, T.min(gp + i, kg - 1)]), T.float32(0)
-                        )
-            for rb in range(m // rows):
-                block(w, s, b, y, xq, xs, xo, wt, st, mt, row, rb * rows, rows)
-            if m % rows >= 4:
-                block(w, s, b, y, xq, xs, xo, wt, st, mt, row, m - m % rows, 4)
-            if m % 4 >= 2:
-                block(w, s, b, y, xq, xs, xo, wt, st, mt, row, m - m % 4, 2)
-            if m % 2 == 1:
-                block(w, s, b, y, xq, xs, xo, wt, st, mt, row, m - 1, 1)
+                    mt = T.meta_var(None)
+                for rb in range(m // rows):
+                    for rr in range(nr):
+                        part_copy(w, s, wt, st, mt, tile * nr + rr)
+                        block(w, s, b, y, xq, xs, xo, wt, st, mt, tile * nr + rr, rb * rows, rows)
+                for rr in range(nr):
+                    part_copy(w, s, wt, st, mt, tile * nr + rr)
+                    tail_blocks(w, s, b, y, xq, xs, xo, wt, st, mt, tile * nr + rr, m)
+        else:
+            for row in T.parallel(n):
+                wt = T.alloc_buffer((LANES,), "uint32")
+                st = T.alloc_buffer((4,), F32)
+                if asym:
+                    mt = T.alloc_buffer((4,), F32)
+                else:
+                    mt = T.meta_var(None)
+                part_copy(w, s, wt, st, mt, row)
+                for rb in range(m // rows):
+                    block(w, s, b, y, xq, xs, xo, wt, st, mt, row, rb * rows, rows)
+                tail_blocks(w, s, b, y, xq, xs, xo, wt, st, mt, row, m)
 
     return vnni
 
