@@ -31,7 +31,12 @@ the two scales. The rows of x run inside the word loop, in blocks of 8 that shar
 vector, so batched decode reads and unpacks each weight once per call; each row's float
 operations are the same whatever the batch, so a row's bits never depend on the others. It reads
 ~2.5x fewer instructions per weight than the table lookup, so one row streams weights at the
-memory's speed; 16 rows cost ~5x one row.
+memory's speed; 16 rows cost ~5x one row. Without AVX-512 (`avx512="avx2"`) the same kernel runs
+on AVX2: pmaddubsw (unsigned nibbles times signed x, pairs summed to int16), the 8 partial sums of
+a unit added in int16 and widened once by pmaddwd, in units of 8 groups so that a unit's unpacked
+weights fit AVX2's 16 registers (2.6-3.6x the float kernel's GB/s at one row, Zen 4). With many
+rows (prefill) the rows of W run in tiles of 64 per block of x, so the block's int8 x is read
+from L1 rather than from L2 once per row of W.
 
 The asymmetric modes (value q * scale + min, float16 scale and min per group) run the same three
 kernels with `asym=True`: per group, sum (q s + min) x = s sum q x + min sum x, so the nibbles
