@@ -195,6 +195,58 @@ def test_expert_kernels_match_numpy() -> None:
     np.testing.assert_allclose(out, (ys * wt[:, :, None]).sum(1), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("isa", ["vnni", "avx2"])
+def test_int8_expert_gemv_matches_numpy_and_one_token_equals_batched(isa: str) -> None:
+    """The expert GEMV with int8 activations (what the models run on VNNI / AVX2 CPUs): the
+    dequantized experts times x rounded to int8 as the kernels do, for gate/up (shared x) and
+    down (x per slot) shapes; one token alone (decode) gives the same bits as inside a batch
+    (where an expert's tokens run as one block)."""
+    import tvm
+    from test_gemv_vnni import _quantize_x, _target
+
+    from localchat.engine.build.quantization import padded_k
+    from localchat.engine.kernels import moe
+
+    target = _target(isa)
+    experts, top, k, n, m = 6, 2, 144, 88, 11
+    rng = np.random.default_rng(11)
+    wq = quantize_q4(rng.standard_normal((experts * n, k), dtype=np.float32) * 0.1, "float32")
+    wa = quantize_q4_asym(rng.standard_normal((experts * n, k), dtype=np.float32) * 0.1)
+    wd = quantize_q4(rng.standard_normal((experts * k, n), dtype=np.float32) * 0.1, "float32")
+    funcs = {
+        "q4": moe.moe_gemv(k, n, experts, top, "float32", "q4", isa),
+        "q4_asym": moe.moe_gemv(k, n, experts, top, "float32", "q4_asym", isa),
+        "down": moe.moe_gemv(n, k, experts, top, "float32", "q4", isa, shared=False),
+    }
+    lib = tvm.compile(tvm.IRModule({name: f.with_attr("global_symbol", name)
+                                    for name, f in funcs.items()}), target)
+    dev = tvm.cpu()
+
+    def run(name, x, weights, idx, shape):
+        out = tvm.runtime.tensor(np.zeros(shape, np.float32), dev)
+        lib[name](*[tvm.runtime.tensor(a, dev) for a in (x, *weights, idx)], out)
+        return out.numpy()
+
+    idx = _gemv_cases()
+    x = rng.standard_normal((m, 1, k), dtype=np.float32)
+    xd = rng.standard_normal((m, top, n), dtype=np.float32)
+    cases = {
+        "q4": (x, wq, dequantize_q4(*wq, k), k, n),
+        "q4_asym": (x, wa, dequantize_q4(*wa, k, asymmetric=True), k, n),
+        "down": (xd, wd, dequantize_q4(*wd, n), n, k),
+    }
+    for name, (xin, weights, dense, kk, nn) in cases.items():
+        y = run(name, xin, weights, idx, (m, top, nn))
+        xq = _quantize_x(xin.reshape(-1, kk), padded_k(kk)).reshape(xin.shape)
+        ref = np.stack([[xq[t, 0 if name != "down" else j].astype(np.float64)
+                         @ dense[e * nn:(e + 1) * nn].T for j, e in enumerate(idx[t])]
+                        for t in range(m)])
+        assert rel_err(y, ref) <= 2e-6, name
+        for t in (0, 5):
+            alone = run(name, xin[t:t + 1], weights, idx[t:t + 1], (1, top, nn))
+            assert np.array_equal(alone[0], y[t]), f"{name}: token {t} alone differs"
+
+
 def test_configs() -> None:
     """Dense layers where Qwen3-MoE's config says; OLMoE's clip_qkv and GPU targets refused
     with a clear error before any compile."""
