@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -144,8 +145,13 @@ class ReadmeRun:
             assert len(rows) == 3 and "of roofline" in out, out + err
             return rows[0].strip()
         if verb == "debug":
-            # the offline pull keeps the GGUF's weights exactly: its own source is the reference
-            assert "no layer diverges" in out and "top-1 agreement 100%" in out, out + err
+            # the offline pull keeps the GGUF's weights exactly: its own source is the reference;
+            # what differs is only the int8 rounding of activations where the CPU's kernels do it
+            # (AVX2, AVX-512 VNNI), which may flip a near-tie (97% of 29 positions seen)
+            assert "no layer diverges" in out, out + err
+            agree = re.search(r"top-1 agreement (\d+)%", out)
+            assert agree, out + err
+            assert int(agree.group(1)) >= (90 if _int8_activations() else 100), out + err
             return next(line for line in out.splitlines() if line.startswith("logits:"))[:60]
         if verb == "convert":
             output = Path(self.work, argv[argv.index("--output") + 1])
@@ -255,3 +261,11 @@ def test_the_readme_commands_work_offline_on_a_fresh_store(readme_run: ReadmeRun
     print("\nthe README's commands (fresh store, no hub):")
     for r in readme_run.ran:
         print(f"  {shlex.join(r.argv):<{width}}  {r.seconds:6.1f} s  {r.note}")
+
+
+def _int8_activations() -> bool:
+    """Whether this CPU's 4-bit kernels round activations to int8 (`common.int8_activations`)."""
+    from localchat.engine.device import cpu_target
+    from localchat.engine.kernels.common import int8_activations
+
+    return int8_activations(cpu_target())
