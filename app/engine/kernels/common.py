@@ -23,6 +23,7 @@ __all__ = [
     "GPU_COPY_THREADS",
     "GPU_THREADS",
     "GROUP_SIZE",
+    "INT8_ISAS",
     "LANES",
     "LOG2E",
     "NIBBLES_PER_WORD",
@@ -47,6 +48,7 @@ LANES = 16  # float32 lanes of one AVX-512 register
 GPU_THREADS = 64  # threads per block of the GPU scan kernel
 GPU_COPY_THREADS = 256  # threads per block of the GPU state-copy kernels
 LOG2E = math.log2(math.e)
+INT8_ISAS = ("vnni", "avx2")  # `gemv_isa` values whose 4-bit GEMV rounds activations to int8
 
 
 def exp2(x):
@@ -132,7 +134,7 @@ def gemv_isa(target: Target) -> bool | str:
 def int8_activations(target: Target) -> bool:
     """Whether the 4-bit kernels for `target` round activations to int8 per group of 32 (the
     VNNI and AVX2 GEMVs, as llama.cpp does): results within that rounding, not float's."""
-    return gemv_isa(target) in ("vnni", "avx2")
+    return gemv_isa(target) in INT8_ISAS
 
 
 def transpose_x(k: int, with_sums: bool):

@@ -60,6 +60,7 @@ from tvm.script import tirx as T
 
 from localchat.engine.kernels.common import (
     GROUP_SIZE,
+    INT8_ISAS,
     LANES,
     NIBBLES_PER_WORD,
     WORDS_PER_GROUP,
@@ -76,8 +77,6 @@ LONG_K = 4096  # beyond this reduction size the AVX-512 kernel shares x between 
 LONG_ROWS = 8  # rows sharing each load of x when k > LONG_K
 LONG_VEC_UNROLL = 1  # word vectors in flight per row when k > LONG_K
 F32 = "float32"
-INT8_ISAS = ("vnni", "avx2")  # `gemv_isa` values that run the int8-activation GEMV
-# (`common.int8_activations` says the same of a target)
 
 
 def _nibble_dot(w, xp, row, r, word, centered: bool = False):
