@@ -59,17 +59,19 @@ SHAPES = [(17, 7), (17, 1536), (384, 7), (384, 48), (1000, 48), (1000, 1536)]
 
 @pytest.mark.parametrize("k,n", SHAPES, ids=[f"k{k}-n{n}" for k, n in SHAPES])
 def test_float32_with_bias_matches_numpy(k: int, n: int) -> None:
-    """1, 5 (a row tail) and 33 rows; k 17 (one short block), 384 (a full block and a half),
-    1000 (three blocks and a tail); n 7 (one padded micro-panel), 48, 1536 (many tasks)."""
+    """1, 2, 5, 16 and 33 rows (row tails of 1, 2, 5, 4 and 3); k 17 (one short block),
+    384 (a full block and a half), 1000 (three blocks and a tail); n 7 (one padded
+    micro-panel), 48, 1536 (many tasks)."""
     func = gemm.gemm_f(k, n, "float32", True)
-    for m in (1, 5, 33):
+    for m in (1, 2, 5, 16, 33):
         x, w, b = _data(m, k, n, seed=k + n + m)
         np.testing.assert_allclose(_run(func, x, w, b), _ref(x, w, b), rtol=1e-5, atol=1e-4)
 
 
 def test_without_bias_and_rows_over_several_tasks() -> None:
-    """More rows than one task holds (MC), and a row count that leaves a tail in the last."""
-    k, n, m = 1000, 48, 2 * gemm.MC + 11
+    """More rows than one task holds (MC), split into chunks of about equal size, multiples of MR
+    but the last (336, 336 and 323 here), the last with a tail of 5."""
+    k, n, m = 1000, 48, 2 * gemm.MC + 35
     x, w, _ = _data(m, k, n, seed=3)
     np.testing.assert_allclose(_run(gemm.gemm_f(k, n, "float32", False), x, w),
                                _ref(x, w, None), rtol=1e-5, atol=1e-4)

@@ -2,7 +2,8 @@
 
 Y[m, n] = X[m, k] @ W[n, k]^T (+ b), W "NT" (row-major [n, k]) in float32/float16 or in the 4-bit
 group layouts of `build.quantization`. The scheme is BLIS's: the work is split into tasks of
-(MC rows of X) x (NB rows of W), run in parallel; a task walks K in blocks of KC and, per block,
+(a chunk of X's rows, at most MC; the chunks about equal) x (NB rows of W), run in parallel; a
+task walks K in blocks of KC and, per block,
 
 * packs its W block K-major, [NB / NR, KC, NR] float32 (dequantizing 4-bit weights on the way),
   so the NR outputs of a micro-panel are one contiguous vector per k;
@@ -16,9 +17,9 @@ group layouts of `build.quantization`. The scheme is BLIS's: the work is split i
 Bit-identical rows whatever m is: every output y[i, j] is one float32 accumulator that starts at
 0 and takes x[i, k] * w[j, k] for k = 0, 1, ..., K-1 in that order (the K blocks split the same
 chain; nothing is ever summed across lanes), then adds the bias. Rows that do not fill a tile of
-MR run the same chain one row at a time, so where a row lands (which task, which tile, a tail or
-not) changes nothing in its bits. Columns past n in the last W block are packed as zeros and
-never written back.
+MR run together in a smaller tile, each the same chain, so where a row lands (which task, which
+tile, a tail or not) changes nothing in its bits. Columns past n in the last W block are packed
+as zeros and never written back.
 
 All tile sizes are compile-time constants, independent of m and of the target: on AVX-512 the
 16-float vector is one zmm, on AVX2 two ymm (the LLVM output is checked for vfmadd on ymm/zmm and
@@ -38,7 +39,8 @@ F32 = "float32"
 MR = 6  # rows of X per micro-kernel
 NR = 16  # columns (rows of W) per micro-kernel: one float32 vector of 16 lanes
 NB = 64  # columns per task: NB / NR micro-panels, packed together per K block
-MC = 80 * MR  # rows of X per task (a multiple of MR): one packed W block serves them all
+MC = 80 * MR  # most rows of X per task (a multiple of MR): one packed W block serves them all
+assert MR == 6, "gemm's tail macro has one branch per tail size 1..MR-1"
 KC = 256  # reduction block: a packed micro-panel (KC x NR) stays in L1 across the row tiles
 
 
@@ -142,14 +144,29 @@ def _gemm(
                 cb[t * MR + i0 + ii, jr * NR + e] = acc[ii, e]
 
     @T.macro
+    def tail(x, xp, wp, cb, r0, k0, rows, jr, klen):
+        # The rows past the last full tile, together: one row alone keeps only two vector
+        # accumulators busy (FMA latency, not throughput, bounds it), and in a 16-row batch
+        # the 4 tail rows cost more than the 12 others. Each output is still its own chain.
+        if rows % MR == 1:
+            micro(x, xp, wp, cb, r0, k0, rows // MR, 1, 0, jr, klen)
+        elif rows % MR == 2:
+            micro(x, xp, wp, cb, r0, k0, rows // MR, 2, 0, jr, klen)
+        elif rows % MR == 3:
+            micro(x, xp, wp, cb, r0, k0, rows // MR, 3, 0, jr, klen)
+        elif rows % MR == 4:
+            micro(x, xp, wp, cb, r0, k0, rows // MR, 4, 0, jr, klen)
+        elif rows % MR == 5:
+            micro(x, xp, wp, cb, r0, k0, rows // MR, 5, 0, jr, klen)
+
+    @T.macro
     def block(x, w, s, xp, wp, cb, r0, rows, j0, cols, k0, klen):
         pack_w(wp, w, s, j0, cols, k0, klen)
         pack_x(xp, x, r0, rows, k0, klen)
         for jr in range(npan):
             for t in range(rows // MR):
                 micro(x, xp, wp, cb, r0, k0, t, MR, 0, jr, klen)
-            for i in range(rows % MR):  # the tail rows, one at a time: the same chain per row
-                micro(x, xp, wp, cb, r0, k0, rows // MR, 1, i, jr, klen)
+            tail(x, xp, wp, cb, r0, k0, rows, jr, klen)
 
     def out(cb, b, i, j0, jj):
         v = cb[i, jj]
@@ -185,13 +202,17 @@ def _gemm(
         m = T.int64()
         x = T.match_buffer(var_x, (m, k), dtype)
         y = T.match_buffer(var_y, (m, n), dtype)
+        # Rows split into chunks of equal size (a multiple of MR, at most MC): the thread pool
+        # gives each thread a contiguous run of tasks, so with chunks of MC and a short last one
+        # (512 rows: 480 + 32) one thread would do 15 times the other's work.
+        per = T.min(MC, ((m + (m + MC - 1) // MC - 1) // ((m + MC - 1) // MC) + MR - 1) // MR * MR)
         # row chunk major: consecutive tasks of a thread share the X rows it packs
-        for t in T.parallel((m + MC - 1) // MC * nblocks):
+        for t in T.parallel((m + per - 1) // per * nblocks):
             if t % nblocks < nblocks - 1:
-                task(x, w, s, b, y, t // nblocks * MC, T.min(MC, m - t // nblocks * MC),
+                task(x, w, s, b, y, t // nblocks * per, T.min(per, m - t // nblocks * per),
                      t % nblocks * nb, nb)
             else:
-                task(x, w, s, b, y, t // nblocks * MC, T.min(MC, m - t // nblocks * MC),
+                task(x, w, s, b, y, t // nblocks * per, T.min(per, m - t // nblocks * per),
                      (nblocks - 1) * nb, last)
 
     asym = kind == "q4_asym"
