@@ -85,6 +85,12 @@ def test_a_4bit_model_errs_more_within_its_tolerance(llama_src: Path) -> None:
         assert b.rel_err > 100 * a.rel_err
     assert q4.layers[-1].rel_err >= q4.layers[0].rel_err  # errors add up through the layers
     assert "4-bit" in q4.render()
+    # the int8 rounding of activations is named where this CPU's kernels do it, never for q0
+    from localchat.engine.device import cpu_target
+    from localchat.engine.kernels.common import int8_activations
+
+    assert ("round activations to int8" in q4.render()) == int8_activations(cpu_target())
+    assert "round activations to int8" not in exact.render()
 
 
 def test_rwkv_layers_and_states_against_its_source(rwkv_src: Path, tmp_path: Path) -> None:

@@ -152,6 +152,8 @@ class ReadmeRun:
             agree = re.search(r"top-1 agreement (\d+)%", out)
             assert agree, out + err
             assert int(agree.group(1)) >= (90 if _int8_activations() else 100), out + err
+            # and the report says so where it happens, and only there
+            assert ("round activations to int8" in out) == _int8_activations(), out
             return next(line for line in out.splitlines() if line.startswith("logits:"))[:60]
         if verb == "convert":
             output = Path(self.work, argv[argv.index("--output") + 1])

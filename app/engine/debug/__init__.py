@@ -53,6 +53,10 @@ def debug_model(model_dir: Path, reference: Path, *, prompt: str = DEBUG_PROMPT,
         notes.append(f"note: the prompt was cut to its first {chunk} tokens (one prefill chunk)")
         ids = ids[:chunk]
     ours = run_compiled(model_dir, ids, device, log)
+    if _rounds_activations(str(meta["quantization"]), device):
+        notes.append("note: on this CPU the 4-bit kernels round activations to int8 per group of "
+                     "32 (AVX2/VNNI, as llama.cpp does), so even an exact import's logits differ "
+                     "a little from float activations and top-1 agreement may be under 100%")
     with reference_folder(reference, log) as folder:
         if folder.suffix.lower() == ".pth":
             if log:
@@ -67,6 +71,17 @@ def debug_model(model_dir: Path, reference: Path, *, prompt: str = DEBUG_PROMPT,
                           str(meta["quantization"]), ours, ref, ops_layer)
     report.notes = notes + report.notes
     return report
+
+
+def _rounds_activations(quantization: str, device: str) -> bool:
+    """Whether the compiled 4-bit kernels of this CPU round activations to int8."""
+    if quantization.startswith("q0"):
+        return False
+    from localchat.engine.device import select_device
+    from localchat.engine.kernels.common import int8_activations
+
+    chosen = select_device(device)
+    return chosen.kind == "cpu" and int8_activations(chosen.target)
 
 
 __all__ = ["DEBUG_PROMPT", "EXTRA", "DebugReport", "ForwardTrace", "MissingExtraError",
