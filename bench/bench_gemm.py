@@ -9,7 +9,8 @@ MLP at 32 texts x 128 tokens (up and down projections) and a 1B-class decoder's 
 projection on a 128-token prefill chunk. Columns:
 
 * q0f32 / q0f16: `gemm_f` (kernels/gemm.py, the outer-product GEMM prefill's `matmul.linear_f`
-  runs), torch (float32; float16 weights are not a fast path in torch on CPUs, so the torch
+  runs), `gemm_f_panels` (the same on weights laid out at convert time, as encoders store them),
+  torch (float32; float16 weights are not a fast path in torch on CPUs, so the torch
   column is always float32);
 * 4-bit modes (q4f32_1, q4f32_asym, ...): `gemm_q4` (what `matmul.linear_q4` runs), torch on the
   dequantized float32 weights.
@@ -72,7 +73,8 @@ def child(args: argparse.Namespace) -> None:
         asym = mode.asymmetric
         cands = {"gemm_q4": lambda k, n: gemm.gemm_q4(k, n, dt, False, asym)}
     else:
-        cands = {"gemm_f": lambda k, n: gemm.gemm_f(k, n, dt, False)}
+        cands = {"gemm_f": lambda k, n: gemm.gemm_f(k, n, dt, False),
+                 "gemm_f_panels": lambda k, n: gemm.gemm_f_panels(k, n, dt, False)}
     rng = np.random.default_rng(0)
     for shape in args.shapes.split(","):
         m, k, n = (int(v) for v in shape.split("x"))
@@ -88,9 +90,11 @@ def child(args: argparse.Namespace) -> None:
         xs = x.astype(dt)
         ref = xs.astype(np.float32) @ w.T
         row = {"shape": shape, "threads": args.threads}
-        targs = [tvm.runtime.tensor(a, dev) for a in [xs, *weights]]
         y = tvm.runtime.tensor(np.zeros((m, n), dt), dev)
         for name, make in cands.items():
+            # the encoders' layout, made at convert time: not timed
+            laid = [gemm.weight_panels(weights[0])] if name.endswith("_panels") else weights
+            targs = [tvm.runtime.tensor(a, dev) for a in [xs, *laid]]
             f = build(make(k, n))
             f(*targs, y)
             err = np.abs(y.numpy().astype(np.float32) - ref).max() / (np.abs(ref).max() + 1e-30)

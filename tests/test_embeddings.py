@@ -133,6 +133,24 @@ def test_q0f16_stays_close(engines: dict[str, Engine]) -> None:
             assert cosines(half.embed(TEXTS).vectors, reference(name, TEXTS)).min() >= 0.999
 
 
+def test_float_weights_are_stored_as_the_gemm_reads_them() -> None:
+    """New conversions store the projections as panels (`kernels.gemm.weight_panels`); a model
+    converted before, whose config lacks `weight_panels`, still builds with [n, k] weights."""
+    from localchat import model_dir as md
+    from localchat.engine.build.quantization import get_quant_mode
+    from localchat.engine.device import cpu_target
+    from localchat.engine.models.bert import Encoder, EncoderConfig
+
+    data = md.load_config(converted(build_encoder("bert-mean"), "q0f32"))["model_config"]
+    assert data["weight_panels"] is True
+    old = {k: v for k, v in data.items() if k != "weight_panels"}
+    h = data["hidden_size"]  # 36: qkv's 108 rows end inside a panel of 16
+    for config, want in ((data, (7, h, 16)), (old, (3 * h, h))):
+        model = Encoder(EncoderConfig.from_dict(config), get_quant_mode("q0f32"), cpu_target())
+        shape = dict(model.named_parameters())["layers.0.attn.qkv.weight"].shape
+        assert tuple(int(d) for d in shape) == want
+
+
 def test_an_embedding_engine_cannot_chat(engines: dict[str, Engine]) -> None:
     engine = engines["bert-mean"]
     for call in (lambda: engine.chat([{"role": "user", "content": "hi"}]),

@@ -127,6 +127,22 @@ def _bits(a: np.ndarray) -> np.ndarray:
     return a.view(np.uint16 if a.dtype == np.float16 else np.uint32)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_weight_panels_give_the_gemms_bits(dtype: str) -> None:
+    """W laid out at convert time (`weight_panels`, what the encoders store) gives exactly
+    gemm_f's output: n 80 and 7 end inside a block and inside a micro-panel, 1536 spans
+    many tasks; rows 1 to 995 (tails, equal chunks)."""
+    for k, n in ((17, 7), (384, 80), (1000, 1536)):
+        panels = gemm.gemm_f_panels(k, n, dtype, True)
+        plain = gemm.gemm_f(k, n, dtype, True)
+        for m in (1, 4, 16, 995):
+            x, w, b = _data(m, k, n, seed=m + n, dtype=dtype)
+            y = tvm.runtime.tensor(np.full((m, n), np.nan, dtype), DEV)
+            args = [tvm.runtime.tensor(a, DEV) for a in (x, gemm.weight_panels(w), b)]
+            _compiled(panels)["main"](*args, y)
+            np.testing.assert_array_equal(y.numpy(), _run(plain, x, w, b), err_msg=f"{k} {n} {m}")
+
+
 @pytest.mark.parametrize("case", ["f32", "f16", "q4-asym"])
 def test_a_row_has_the_same_bits_in_any_batch(case: str) -> None:
     """Row r of a call with m rows equals, bit for bit, the same row computed alone, in a call of
@@ -163,7 +179,9 @@ def test_llvm_output_uses_fma_vectors_and_no_gathers() -> None:
 
     if not codegen.llvm_cpu_has_features(["avx2", "fma"], TARGET):
         pytest.skip("this CPU has no AVX2/FMA")
-    asm = _compiled(gemm.gemm_f(384, 48, "float32", False)).mod.inspect_source("asm")
-    fmas = re.findall(r"vfmadd\w*ps\s+[^\n]*%([yz])mm", asm)
-    assert len(fmas) >= 2 * gemm.MR  # at least one micro-kernel's worth
-    assert "gather" not in asm
+    for func in (gemm.gemm_f(384, 48, "float32", False),
+                 gemm.gemm_f_panels(384, 48, "float32", False)):
+        asm = _compiled(func).mod.inspect_source("asm")
+        fmas = re.findall(r"vfmadd\w*ps\s+[^\n]*%([yz])mm", asm)
+        assert len(fmas) >= 2 * gemm.MR  # at least one micro-kernel's worth
+        assert "gather" not in asm

@@ -30,6 +30,7 @@ from localchat.engine.build.quantization import (
     quantize_weight,
 )
 from localchat.engine.build.weights import WeightSource, open_weights
+from localchat.engine.kernels.gemm import weight_panels
 from localchat.engine.models import Architecture, detect_architecture
 from localchat.engine.templates import load_chat_template
 from localchat.engine.tokenizer import WORLD_VOCAB_FILE, read_json
@@ -124,6 +125,9 @@ def _model_params(
             pairs = [(name, q), (prefix + "scale", scale)]
         elif prefix + "scale" in expected:
             pairs = [(prefix + part, array) for part, array in quantize_weight(value, mode).items()]
+        elif len(expected[name].shape) == 3 and value.ndim == 2:
+            # a float weight the model stores as the CPU GEMM reads it (the encoders')
+            pairs = [(name, weight_panels(value).astype(str(expected[name].dtype)))]
         else:
             pairs = [(name, value.astype(str(expected[name].dtype)))]
         for pname, array in pairs:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
@@ -49,6 +50,23 @@ def gemm_f(k: int, n: int, dtype: str, bias: bool) -> tirx.PrimFunc:
     """Y[m, n] = X[m, k] @ W[n, k]^T (+ b), float weights of `dtype`, fp32 accumulation.
     Arguments (x [m, k], w [n, k], [b [n]], y [m, n]), all of `dtype`."""
     return _gemm(k, n, dtype, bias, "float")
+
+
+@functools.cache
+def gemm_f_panels(k: int, n: int, dtype: str, bias: bool) -> tirx.PrimFunc:
+    """`gemm_f` on weights laid out at convert time as the micro-kernel reads them
+    (`weight_panels`): W [ceil(n / NR), k, NR], so no call packs them. The same chains, so
+    the same bits as `gemm_f`; what it saves is the packing, as costly as the FMAs at 16 rows.
+    Arguments (x [m, k], w, [b [n]], y [m, n]), all of `dtype`."""
+    return _gemm(k, n, dtype, bias, "panels")
+
+
+def weight_panels(weight: np.ndarray) -> np.ndarray:
+    """W [n, k] as `gemm_f_panels` takes it: [ceil(n / NR), k, NR], rows past n zero."""
+    n, k = weight.shape
+    padded = np.zeros((-(-n // NR) * NR, k), weight.dtype)
+    padded[:n] = weight
+    return np.ascontiguousarray(padded.reshape(-1, NR, k).transpose(0, 2, 1))
 
 
 @functools.cache
@@ -82,12 +100,16 @@ def _gemm(
     npan = nb // NR
     nblocks = -(-n // nb)
     last = n - (nblocks - 1) * nb  # valid columns of the last block
+    # micro-panels the last block runs: packed blocks are zero-filled to npan; weight panels
+    # stop at the last one holding a column
+    last_used = -(-last // NR) if kind == "panels" else npan
     kc = min(KC, k)
     nkb, ktail = divmod(k, kc)
     kp = padded_k(k)
     kw, kg = kp // NIBBLES_PER_WORD, kp // GROUP_SIZE
 
-    if kind == "float":
+    panels = kind == "panels"  # W already [n / NR, k, NR]: read in place, never packed
+    if kind in ("float", "panels"):
 
         def value(w, s, j, kk):
             return T.Cast(F32, w[j, kk])
@@ -126,8 +148,15 @@ def _gemm(
             return x[r0 + i, k0 + kk]
         return xp[i, kk]
 
+    def wv(w, wp, j0, jr, k0, kk, e):
+        """Lane e of micro-panel jr of the task's W block at k0 + kk, as float32: from the
+        weight panels in place, or from the block packed into wp."""
+        if panels:
+            return T.Cast(F32, w[j0 // NR + jr, k0 + kk, e])
+        return wp[jr, kk, e]
+
     @T.macro
-    def micro(x, xp, wp, cb, r0, k0, t, rows, i0, jr, klen):
+    def micro(x, xp, w, wp, cb, r0, j0, k0, t, rows, i0, jr, klen):
         # rows x NR accumulators; the loops are unrolled so LLVM keeps `acc` in registers
         acc = T.alloc_buffer((MR, NR), F32)
         for ii in T.unroll(rows):
@@ -137,36 +166,40 @@ def _gemm(
             for ii in T.unroll(rows):
                 for e in T.vectorized(NR):
                     acc[ii, e] = (
-                        acc[ii, e] + xv(x, xp, r0, t * MR + i0 + ii, k0, kk) * wp[jr, kk, e]
+                        acc[ii, e]
+                        + xv(x, xp, r0, t * MR + i0 + ii, k0, kk) * wv(w, wp, j0, jr, k0, kk, e)
                     )
         for ii in T.unroll(rows):
             for e in T.vectorized(NR):
                 cb[t * MR + i0 + ii, jr * NR + e] = acc[ii, e]
 
     @T.macro
-    def tail(x, xp, wp, cb, r0, k0, rows, jr, klen):
+    def tail(x, xp, w, wp, cb, r0, j0, k0, rows, jr, klen):
         # The rows past the last full tile, together: one row alone keeps only two vector
         # accumulators busy (FMA latency, not throughput, bounds it), and in a 16-row batch
         # the 4 tail rows cost more than the 12 others. Each output is still its own chain.
         if rows % MR == 1:
-            micro(x, xp, wp, cb, r0, k0, rows // MR, 1, 0, jr, klen)
+            micro(x, xp, w, wp, cb, r0, j0, k0, rows // MR, 1, 0, jr, klen)
         elif rows % MR == 2:
-            micro(x, xp, wp, cb, r0, k0, rows // MR, 2, 0, jr, klen)
+            micro(x, xp, w, wp, cb, r0, j0, k0, rows // MR, 2, 0, jr, klen)
         elif rows % MR == 3:
-            micro(x, xp, wp, cb, r0, k0, rows // MR, 3, 0, jr, klen)
+            micro(x, xp, w, wp, cb, r0, j0, k0, rows // MR, 3, 0, jr, klen)
         elif rows % MR == 4:
-            micro(x, xp, wp, cb, r0, k0, rows // MR, 4, 0, jr, klen)
+            micro(x, xp, w, wp, cb, r0, j0, k0, rows // MR, 4, 0, jr, klen)
         elif rows % MR == 5:
-            micro(x, xp, wp, cb, r0, k0, rows // MR, 5, 0, jr, klen)
+            micro(x, xp, w, wp, cb, r0, j0, k0, rows // MR, 5, 0, jr, klen)
 
     @T.macro
-    def block(x, w, s, xp, wp, cb, r0, rows, j0, cols, k0, klen):
-        pack_w(wp, w, s, j0, cols, k0, klen)
+    def block(x, w, s, xp, wp, cb, r0, rows, j0, cols, k0, klen, used):
+        # `used`: the micro-panels that hold columns (the weight panels end at n; a packed
+        # block is zero-padded to npan)
+        if not panels:
+            pack_w(wp, w, s, j0, cols, k0, klen)
         pack_x(xp, x, r0, rows, k0, klen)
-        for jr in range(npan):
+        for jr in range(used):
             for t in range(rows // MR):
-                micro(x, xp, wp, cb, r0, k0, t, MR, 0, jr, klen)
-            tail(x, xp, wp, cb, r0, k0, rows, jr, klen)
+                micro(x, xp, w, wp, cb, r0, j0, k0, t, MR, 0, jr, klen)
+            tail(x, xp, w, wp, cb, r0, j0, k0, rows, jr, klen)
 
     def out(cb, b, i, j0, jj):
         v = cb[i, jj]
@@ -184,17 +217,17 @@ def _gemm(
                 y[r0 + i, j0 + cols // NR * NR + e] = out(cb, b, i, j0, cols // NR * NR + e)
 
     @T.macro
-    def task(x, w, s, b, y, r0, rows, j0, cols):
+    def task(x, w, s, b, y, r0, rows, j0, cols, used):
         cb = T.alloc_buffer((MC, nb), F32)
         xp = T.alloc_buffer((MC if not direct else 1, kc), F32)
-        wp = T.alloc_buffer((npan, kc, NR), F32)
+        wp = T.alloc_buffer((npan if not panels else 1, kc, NR), F32)
         for i in range(rows):
             for e in T.vectorized(nb):
                 cb[i, e] = T.float32(0)
         for kb in range(nkb):
-            block(x, w, s, xp, wp, cb, r0, rows, j0, cols, kb * kc, kc)
+            block(x, w, s, xp, wp, cb, r0, rows, j0, cols, kb * kc, kc, used)
         if ktail > 0:
-            block(x, w, s, xp, wp, cb, r0, rows, j0, cols, nkb * kc, ktail)
+            block(x, w, s, xp, wp, cb, r0, rows, j0, cols, nkb * kc, ktail, used)
         write(cb, b, y, r0, rows, j0, cols)
 
     @T.macro
@@ -210,15 +243,15 @@ def _gemm(
         for t in T.parallel((m + per - 1) // per * nblocks):
             if t % nblocks < nblocks - 1:
                 task(x, w, s, b, y, t // nblocks * per, T.min(per, m - t // nblocks * per),
-                     t % nblocks * nb, nb)
+                     t % nblocks * nb, nb, npan)
             else:
                 task(x, w, s, b, y, t // nblocks * per, T.min(per, m - t // nblocks * per),
-                     (nblocks - 1) * nb, last)
+                     (nblocks - 1) * nb, last, last_used)
 
     asym = kind == "q4_asym"
     ks = 2 * kg if asym else kg
     sdt = scale_dtype or ("float16" if asym else dtype)  # q4f32_k: float32 scales and mins
-    quantized = kind != "float"
+    quantized = kind not in ("float", "panels")
     if quantized and bias:
 
         @T.prim_func(private=True)
@@ -241,6 +274,23 @@ def _gemm(
             var_y: T.handle,
         ):
             body(var_x, w, s, None, var_y)
+
+    elif panels and bias:
+
+        @T.prim_func(private=True)
+        def func(
+            var_x: T.handle,
+            w: T.Buffer((-(-n // NR), k, NR), dtype),
+            b: T.Buffer((n,), dtype),
+            var_y: T.handle,
+        ):
+            body(var_x, w, None, b, var_y)
+
+    elif panels:
+
+        @T.prim_func(private=True)
+        def func(var_x: T.handle, w: T.Buffer((-(-n // NR), k, NR), dtype), var_y: T.handle):
+            body(var_x, w, None, None, var_y)
 
     elif bias:
 

@@ -23,6 +23,11 @@ def linear_f(k: int, n: int, dtype: str, bias: bool) -> tirx.PrimFunc:
     return gemm.gemm_f(k, n, dtype, bias)
 
 
+def linear_f_panels(k: int, n: int, dtype: str, bias: bool) -> tirx.PrimFunc:
+    """`linear_f` on weights stored as `gemm.weight_panels` lays them out (the encoders')."""
+    return gemm.gemm_f_panels(k, n, dtype, bias)
+
+
 def linear_q4(
     k: int, n: int, dtype: str, bias: bool, asym: bool = False, scale_dtype: str | None = None
 ) -> tirx.PrimFunc:

@@ -50,6 +50,9 @@ class EncoderConfig:
     gated: bool = False  # SiLU-gated MLP (NomicBERT) instead of GELU
     bias: bool = True  # biases on the projections
     prefill_chunk_size: int = 0  # the ModelConfig protocol's; an encoder takes whole texts
+    # float projection weights stored as the CPU GEMM reads them (no packing per call: at a
+    # short text that packing cost as much as the FMAs); False in models converted before
+    weight_panels: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -137,6 +140,7 @@ def _checked(cfg: EncoderConfig) -> EncoderConfig:
     if cfg.rope_theta and cfg.head_dim % 2:
         raise UnsupportedModelError(f"rotary positions need an even head_dim, not {cfg.head_dim}")
     cfg.prefill_chunk_size = cfg.context_window_size
+    cfg.weight_panels = True
     return cfg
 
 
@@ -163,8 +167,8 @@ class EncoderAttention(nn.Module):
     def __init__(self, cfg: EncoderConfig, ctx: BuildContext) -> None:
         h = cfg.hidden_size
         self.cfg = cfg
-        self.qkv = Linear(h, 3 * h, cfg.bias, ctx)
-        self.out = Linear(h, h, cfg.bias, ctx)
+        self.qkv = Linear(h, 3 * h, cfg.bias, ctx, panels=cfg.weight_panels)
+        self.out = Linear(h, h, cfg.bias, ctx, panels=cfg.weight_panels)
 
     def forward(self, x: nn.Tensor, starts: nn.Tensor, rope: list[nn.Tensor]) -> nn.Tensor:
         cfg = self.cfg
@@ -181,8 +185,9 @@ class EncoderMLP(nn.Module):
         h, f = cfg.hidden_size, cfg.intermediate_size
         self.gated = cfg.gated
         self.target_kind = ctx.target_kind
-        self.up = Linear(h, 2 * f if cfg.gated else f, cfg.bias, ctx)  # gated: [gate | up]
-        self.down = Linear(f, h, cfg.bias, ctx)
+        # gated: [gate | up]
+        self.up = Linear(h, 2 * f if cfg.gated else f, cfg.bias, ctx, panels=cfg.weight_panels)
+        self.down = Linear(f, h, cfg.bias, ctx, panels=cfg.weight_panels)
 
     def forward(self, x: nn.Tensor) -> nn.Tensor:
         up = self.up(x)

@@ -37,6 +37,7 @@ from localchat.engine.build.quantization import GROUP_SIZE, NIBBLES_PER_WORD, Qu
 from localchat.engine.kernels import elementwise, matmul
 from localchat.engine.kernels import gemv as gemv_kernels
 from localchat.engine.kernels.common import gemv_isa
+from localchat.engine.kernels.gemm import NR as PANEL_WIDTH
 
 Q8_DTYPE = "int8"  # the 8-bit layout's weight dtype (the 4-bit one's is uint32 words)
 
@@ -113,25 +114,48 @@ class Linear(nn.Module):
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, ctx: BuildContext,
-        head: bool = False,
+        head: bool = False, panels: bool = False,
     ) -> None:
-        """`head`: this is the LM head (8-bit in the asymmetric modes)."""
+        """`head`: this is the LM head (8-bit in the asymmetric modes); `panels`: a float
+        weight is stored as the CPU GEMM reads it (`kernels.gemm.weight_panels`), for layers
+        that only ever run the GEMM (the encoders': no decode GEMV reads rows of it)."""
         self.in_features = in_features
         self.out_features = out_features
         mode = self.mode = ctx.mode
         self.target_kind = ctx.target_kind
         self.avx512 = ctx.isa
+        self.panels = panels and ctx.cpu and not mode.quantized
         if mode.quantized:
             self.weight, self.scale = _quantized_params(out_features, in_features, mode, head)
+        elif self.panels:
+            self.weight = nn.Parameter(
+                (-(-out_features // PANEL_WIDTH), in_features, PANEL_WIDTH), mode.dtype)
+            self.scale = None
         else:
             self.weight = nn.Parameter((out_features, in_features), mode.dtype)
             self.scale = None
         self.bias = nn.Parameter((out_features,), mode.dtype) if bias else None
 
     def forward(self, x: nn.Tensor, gemv: bool = False) -> nn.Tensor:
+        if self.panels:
+            return _linear_panels(x, self.weight, self.bias, self.out_features)
         return linear(
             x, self.weight, self.scale, self.bias, self.mode, self.target_kind, self.avx512, gemv
         )
+
+
+def _linear_panels(x: nn.Tensor, weight: nn.Tensor, bias: nn.Tensor | None, n: int) -> nn.Tensor:
+    """x [..., K] times a float weight stored as panels [ceil(n / 16), K, 16], on the CPU."""
+    k = x.shape[-1]
+    lead = list(x.shape[:-1])
+    rows = 1
+    for d in lead:
+        rows = rows * d
+    func = matmul.linear_f_panels(int(k), n, str(x.dtype), bias is not None)
+    out = op.tensor_ir_op(
+        func, "linear", args=[op.reshape(x, (rows, k)), weight] + ([bias] if bias else []),
+        out=nn.Tensor.placeholder((rows, n), x.dtype))
+    return op.reshape(out, lead + [n])
 
 
 def linear(
