@@ -69,6 +69,7 @@ def source(arch: str, vocab: int, layers: int | None) -> Path:
     """The random HF folder of `arch` (vocabulary `vocab`), built once into the test cache."""
     import torch
     import transformers
+    from disk_guard import require_free
 
     from fixtures import cache_dir
 
@@ -86,6 +87,8 @@ def source(arch: str, vocab: int, layers: int | None) -> Path:
                         .replace("Config", "ForCausalLM"))
     torch.manual_seed(0)
     model = model_cls._from_config(config, dtype=torch.float16).eval()
+    # the float16 folder and its 4-bit conversion beside it
+    require_free(out.parent, int(model.num_parameters() * 2 * 1.5), f"the {arch} benchmark model")
     tmp = out.with_name(out.name + ".part")
     model.save_pretrained(tmp)
     tmp.rename(out)

@@ -158,6 +158,7 @@ def llama_f16_gguf(shape: str, layers: int | None) -> Path:
     """The F16 GGUF of a synthetic shape (random weights, SmolLM2's tokenizer), written once."""
     import gguf
     import numpy as np
+    from disk_guard import require_free
 
     from fixtures import smollm2_gguf
 
@@ -168,6 +169,9 @@ def llama_f16_gguf(shape: str, layers: int | None) -> Path:
     h, f, n_layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     heads, kv, vocab = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]
     head_dim = h // heads
+    params = vocab * h + n_layers * (2 * h * h + 2 * h * kv * head_dim + 3 * h * f)
+    # the F16 file, then llama.cpp's 4-bit files and our converted models beside it
+    require_free(path.parent, 2 * params * 2, f"the {shape} benchmark model")
     tmp = path.with_suffix(".tmp")
     w = gguf.GGUFWriter(str(tmp), "llama")
     w.add_block_count(n_layers)
