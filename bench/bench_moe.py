@@ -1,7 +1,7 @@
 """Benchmark: a mixture-of-experts model of Qwen3-30B-A3B's dims on the CPU (random weights).
 
     python bench/bench_moe.py [--layers 8] [--quant q4f32_1] [--prompt 128] [--decode 32]
-                              [--experts 128] [--top 8]
+                              [--experts 128] [--top 8] [--peer Q4_0,Q4_K_M]
 
 The model is Qwen3-30B-A3B's shape (hidden 2048, 32/4 heads of 128, 128 experts of width 768,
 8 per token, vocabulary 151 936, untied head) with `--layers` layers (48 in the real model: the
@@ -13,12 +13,25 @@ roofline counting only the bytes a token reads: the attention's and router's wei
 `top / experts` share of the experts' (the active ones), the norms and the LM head, against the
 bandwidth of `localchat.engine.membw` sampled before and after. Routing with random weights
 spreads tokens over experts about evenly, as trained routers roughly do.
+
+`--peer Q4_0,Q4_K_M` also times llama.cpp on the same weights: the HF folder written as its
+`qwen3moe` GGUF (bench/moe_gguf.py: F16, or Q8_0 where F16 and a 4-bit file would not fit 10 GB
+of disk at once), each type quantized from it by `llama_model_quantize`, each timed in a
+process of its own at 1 and 2 threads (`--peer-threads`) as bench/bench_engine.py times its
+peer: prefill of the same prompt, then greedy decode steps. A table then gives ours and each
+peer row: prefill and decode tok/s and decode against the same roofline (a GGUF's bytes a token
+reads: all but the token embedding, the merged experts' tensors at top / experts), and ours
+against the fastest peer row. The source GGUF is deleted after the last quantization, each
+quantized file after its timings, so at most the source and one 4-bit file are on the disk.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,6 +49,7 @@ SHAPE = {
 
 def source(layers: int, experts: int, top: int) -> Path:
     """The random HF folder (written once into the test cache)."""
+    from disk_guard import require_free
     from safetensors.numpy import save_file
 
     from fixtures import cache_dir
@@ -43,9 +57,12 @@ def source(layers: int, experts: int, top: int) -> Path:
     out = cache_dir() / "bench" / f"qwen3-30b-a3b-shape-{layers}l-{experts}e-{top}k"
     if (out / "config.json").exists():
         return out
-    out.mkdir(parents=True, exist_ok=True)
     h, f, d = SHAPE["hidden_size"], SHAPE["moe_intermediate_size"], SHAPE["head_dim"]
     nq, nkv, vocab = SHAPE["num_attention_heads"], SHAPE["num_key_value_heads"], SHAPE["vocab_size"]
+    params = 2 * vocab * h + layers * (2 * (nq + nkv) * d * h + 3 * experts * f * h)
+    # the float16 folder and its 4-bit conversion beside it
+    require_free(out.parent, int(params * 2 * 1.4), "the MoE benchmark model")
+    out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
 
     def rand(*shape: int, scale: float = 0.02) -> np.ndarray:
@@ -90,6 +107,82 @@ def active_bytes(model_dir: Path, experts: int, top: int) -> int:
     return int(total)
 
 
+def prompt_ids(n: int) -> list[int]:
+    """The benchmark's `n`-token prompt (random ids, the same for ours and the peer)."""
+    rng = np.random.default_rng(1)
+    return [int(t) for t in rng.integers(3, SHAPE["vocab_size"], n)]
+
+
+def peer_child(path: Path, threads: int, prompt: int, decode: int) -> dict:
+    """llama.cpp's timing of `path` at `threads` threads, in a process of its own."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--peer-child", str(path), "--peer-threads", str(threads),
+         "--prompt", str(prompt), "--decode", str(decode)],
+        capture_output=True, text=True, env=dict(os.environ, TVM_NUM_THREADS=str(threads)))
+    if out.returncode != 0:
+        raise SystemExit(f"llama.cpp on {path.name} ({threads} threads) failed:\n"
+                         f"{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_peers(src: Path, args: argparse.Namespace, probe) -> list[dict]:
+    """llama.cpp's rows: each --peer type made from the same weights and timed at each thread
+    count; no GGUF is left on the disk."""
+    import moe_gguf
+
+    work = src.parent / f"{src.name}-gguf"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    rows = []
+    try:
+        dtype = moe_gguf.source_type(src, work)
+        t = time.perf_counter()
+        source = moe_gguf.write_gguf(src, work / f"{dtype}.gguf", dtype)
+        print(f"  peer source GGUF       {dtype}, {source.stat().st_size / 1e9:.2f} GB written in "
+              f"{time.perf_counter() - t:.0f} s", flush=True)
+        qtypes = args.peer.split(",")
+        for i, qtype in enumerate(qtypes):
+            t = time.perf_counter()
+            path = moe_gguf.quantize(source, work / f"{qtype}.gguf", qtype)
+            print(f"  llama.cpp {qtype:<12} {path.stat().st_size / 1e9:.2f} GB, quantized in "
+                  f"{time.perf_counter() - t:.0f} s", flush=True)
+            if i == len(qtypes) - 1:
+                source.unlink()  # the last file made from it
+            per_token = moe_gguf.bytes_per_token(path, args.experts, args.top)
+            for threads in (int(n) for n in args.peer_threads.split(",")):
+                before = probe.sample()
+                probe.release()  # not resident while the peer runs
+                r = peer_child(path, threads, args.prompt, args.decode)
+                r.update(name=f"llama.cpp {qtype}", threads=threads, bytes_per_token=per_token,
+                         bw=max(before, probe.sample()))
+                probe.release()
+                rows.append(r)
+            path.unlink()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    """Ours and llama.cpp's rows side by side, then ours against the fastest peer row."""
+    print(f"\n{'engine':<22}{'thr':>4}{'MB/tok':>8}{'prefill':>9}{'decode':>8}{'GB/s':>6}"
+          f"{'of roof':>8}  first tokens")
+    for r in rows:
+        roof = r["bytes_per_token"] * r["decode_tok_s"] / (r["bw"] * 1e9)
+        first = " ".join(map(str, r.get("tokens", []))) + ("" if r.get("finite", True)
+                                                           else " NON-FINITE LOGITS")
+        print(f"{r['name']:<22}{r['threads']:>4}{r['bytes_per_token'] / 1e6:>8.1f}"
+              f"{r['prefill_tok_s']:>9.1f}{r['decode_tok_s']:>8.2f}{r['bw']:>6.1f}{roof:>8.1%}"
+              f"  {first}")
+    ours, peers = rows[0], rows[1:]
+    line = []
+    for key, label in (("decode_tok_s", "decode"), ("prefill_tok_s", "prefill")):
+        top = max(peers, key=lambda r, k=key: r[k])
+        line.append(f"{label} {ours[key] / top[key]:.2f}x ({top['name'].split()[-1]} "
+                    f"{top['threads']}t {top[key]:.1f} tok/s)")
+    print("ours / fastest llama.cpp row: " + "; ".join(line))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=8)
@@ -98,7 +191,18 @@ def main() -> None:
     parser.add_argument("--quant", default="q4f32_1")
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--decode", type=int, default=32)
+    parser.add_argument("--peer", default=None,
+                        help="llama.cpp's quantizations to time beside ours, e.g. Q4_0,Q4_K_M")
+    parser.add_argument("--peer-threads", default="1,2", help="llama.cpp's thread counts")
+    parser.add_argument("--peer-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.peer_child:  # one llama.cpp timing (run by peer_child)
+        import moe_gguf
+
+        result = moe_gguf.run_peer(Path(args.peer_child), int(args.peer_threads),
+                                   prompt_ids(args.prompt), args.decode)
+        print(json.dumps(result))
+        return
 
     from localchat.engine.membw import ReadBandwidth
     from localchat.engine.runtime import Model
@@ -113,8 +217,7 @@ def main() -> None:
     probe = ReadBandwidth()
     bw_before = probe.sample()
     probe.release()
-    rng = np.random.default_rng(1)
-    prompt = [int(t) for t in rng.integers(3, SHAPE["vocab_size"], args.prompt)]
+    prompt = prompt_ids(args.prompt)
 
     seq = model.new_sequence()
     model.prefill(seq, prompt[:8])  # warm-up (first-call allocations)
@@ -150,6 +253,15 @@ def main() -> None:
     print(f"  bytes read per token   {per_token / 1e6:8.1f} MB (active experts, attention, head)")
     print(f"  read bandwidth         {bw_before:.1f} / {bw_after:.1f} GB/s (before / after)")
     print(f"  decode vs roofline     {per_token * decode / (bw * 1e9):8.1%}")
+    if not args.peer:
+        return
+    sys.stdout.flush()
+    del model, seq, seqs  # the peer's processes run without ours resident
+    probe.release()
+    threads = int(os.environ.get("TVM_NUM_THREADS") or os.cpu_count() or 1)
+    rows = [{"name": f"localchat {args.quant}", "threads": threads, "bytes_per_token": per_token,
+             "prefill_tok_s": prefill, "decode_tok_s": decode, "bw": bw}]
+    print_table(rows + run_peers(src, args, probe))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ RSS, and decode as a fraction of the memory roofline.
 
     python bench/bench_rwkv.py [--arch rwkv4|rwkv6|rwkv7] [--quant q4f32_1 q0f32] [--layers 32]
                                [--prompt 512] [--decode 32] [--chunks 64,128,256,512]
+                               [--peer Q4_0,Q4_K_M,Q4_1]
 
 No checkpoint is written: the library is compiled (cached under the user cache dir, in a child
 process so its memory does not count), then every parameter is generated with random values of
@@ -22,6 +23,16 @@ read bandwidth of a compiled streaming sum (the ceiling for reading weights).
 
 With `--layers N` < 32 the per-layer times are extrapolated to 32 layers (time(L) = a + b L
 fitted from N and N/2 layers); the default runs the real depth.
+
+`--peer` (rwkv7 only) adds llama.cpp (llama-cpp-python) in the same run: an F16 GGUF of the same
+shape and depth(s) in llama.cpp's RWKV-7 layout with random weights (bench/rwkv7_gguf.py, written
+to a temporary folder and deleted afterwards), quantized by `llama_model_quantize` to each named
+type with llama.cpp's default tensor types, then timed in a child process the way ours is: the
+same random prompt ids prefilled in one `Llama.eval` (n_batch 512), the same number of greedy
+decode steps in rounds between bandwidth samples (each step `Llama.eval` of one token plus the
+argmax of its logits, median step time), at 1 and 2 threads, the row giving the thread count of
+the best decode. Its bytes read per token are the GGUF's tensor bytes less the token embedding,
+plus one row of it; with `--layers N` < 32 it is extrapolated to 32 layers like ours.
 """
 
 from __future__ import annotations
@@ -334,8 +345,193 @@ def run_child(args: list[str]) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+PEER_TYPES = ("Q4_0", "Q4_K_M", "Q4_1")  # llama.cpp's 4-bit files people download
+PEER_THREADS = (1, 2)
+
+
+def measure_peer(path: Path, qtype: str, layers: int, threads: int, prompt_len: int,
+                 steps: int) -> dict:
+    """llama.cpp on `path` as `measure` times ours: the same prompt ids, prefill in one eval,
+    greedy decode steps in rounds between bandwidth samples, median step time."""
+    import llama_cpp
+    from llama_cpp import Llama
+
+    llm = Llama(
+        model_path=str(path),
+        n_ctx=max(1024, prompt_len + steps + 16),
+        n_batch=512,  # bench_engine's peer setting: the prompt goes in one batch
+        n_threads=threads,
+        n_threads_batch=threads,
+        verbose=False,
+    )
+    n_vocab = llm.n_vocab()
+
+    def logits() -> np.ndarray:
+        ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(n_vocab,))
+
+    rng = np.random.default_rng(1)  # the ids `measure` prefills
+    prompt = [int(t) for t in rng.integers(1, 65536, prompt_len)]
+    llm.eval(prompt[:8])  # warm-up
+    llm.reset()  # the next eval clears the recurrent state from position 0
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    prefill_s = time.perf_counter() - t0
+    first = logits()
+    if not np.isfinite(first).all():
+        raise SystemExit(f"llama.cpp gave non-finite logits on {path.name}")
+    tok = int(np.argmax(first))
+    llm.eval([tok])  # warm-up
+    tok = int(np.argmax(logits()))
+    result: dict = {
+        "quant": f"llama.cpp {qtype} ({threads} thread{'s' if threads > 1 else ''})",
+        "peer": qtype,
+        "threads": threads,
+        "layers": layers,
+        "prefill": {"512": prompt_len / prefill_s},
+        "prefill_unit": "batch",
+        "peak_rss_gb": peak_rss_bytes() / 1e9,  # before the bandwidth buffers, as ours
+    }
+    bw = Bandwidth()
+    rounds = max(1, min(ROUNDS, steps))
+    copy, read = [bw.copy()], [bw.read()]
+    times, parts = [], []
+    for r in range(rounds):
+        part = []
+        for _ in range(steps // rounds + (r < steps % rounds)):
+            t0 = time.perf_counter()
+            llm.eval([tok])
+            tok = int(np.argmax(logits()))
+            part.append(time.perf_counter() - t0)
+        copy.append(bw.copy())
+        read.append(bw.read())
+        parts.append(float(np.median(part)))
+        times += part
+    result["decode_s"] = float(np.median(times))
+    result["decode_tok_s"] = 1.0 / result["decode_s"]
+    result["copy_gb_s"], result["read_gb_s"] = copy, read
+    result["round_decode_s"] = parts  # the fractions need the bytes, which the parent reads
+    return result
+
+
+def _peer_fractions(res: dict) -> None:
+    """Roofline fractions per round, as `measure` computes ours (median over rounds)."""
+    copy, read = res["copy_gb_s"], res["read_gb_s"]
+    copy_frac, read_frac = [], []
+    for i, s in enumerate(res.pop("round_decode_s")):
+        rate = res["decode_bytes_per_token"] / s / 1e9
+        copy_frac.append(rate / ((copy[i] + copy[i + 1]) / 2))
+        read_frac.append(rate / ((read[i] + read[i + 1]) / 2))
+    res["roofline_fraction"] = float(np.median(copy_frac))
+    res["read_roofline_fraction"] = float(np.median(read_frac))
+
+
+def run_peers(args) -> list[dict]:
+    """llama.cpp's rows: write and quantize the GGUFs (deleted afterwards), time each type at
+    each thread count and depth, extrapolate like ours, keep the thread count of the best
+    decode."""
+    import shutil
+    import tempfile
+
+    from rwkv7_gguf import decode_bytes_per_token, quantize, write_rwkv7_gguf
+
+    cfg = WORLD_2B9_V7
+    qtypes = [q for q in args.peer.split(",") if q]
+    depths = [args.layers] if args.layers == 32 else [args.layers // 2, args.layers]
+    h, ffn, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    ranks = (cfg["decay_low_rank_dim"], cfg["a_low_rank_dim"], cfg["v_low_rank_dim"],
+             cfg["gate_low_rank_dim"])
+    per_layer = 2 * (4 * h * h + 2 * h * ffn + 2 * h * sum(ranks))  # F16 matrices
+    need = max(2 * 2 * h * vocab + per_layer * d for d in depths) * 1.5  # F16 + its copies
+    tmp = Path(tempfile.mkdtemp(prefix="bench-rwkv7-gguf-", dir="/tmp"))
+    try:
+        free = shutil.disk_usage(tmp).free
+        if free < need + 2e9:
+            raise SystemExit(f"--peer needs ~{need / 1e9:.1f} GB free under /tmp, "
+                             f"{free / 1e9:.1f} GB are")
+        files: dict[tuple[str, int], Path] = {}
+        for d in depths:
+            f16 = write_rwkv7_gguf(tmp / f"f16-L{d}.gguf", hidden=h, layers=d,
+                                   head_size=cfg["head_size"], ffn=ffn, vocab=vocab,
+                                   lora_ranks=ranks, seed=0)
+            for q in qtypes:
+                files[q, d] = quantize(f16, tmp / f"{q}-L{d}.gguf", q)
+            f16.unlink()  # the quantized copies are all the peer runs need
+        rows = []
+        for q in qtypes:
+            by_threads = []
+            for threads in PEER_THREADS:
+                runs = []
+                for d in depths:
+                    proc = subprocess.run(
+                        [sys.executable, __file__, "--arch", ARCH, "--measure-peer",
+                         str(files[q, d]), q, str(d), str(threads), str(args.prompt),
+                         str(args.decode)],
+                        capture_output=True, text=True,
+                    )
+                    if proc.returncode != 0:
+                        raise SystemExit(f"llama.cpp {q} x{d} failed:\n{proc.stderr[-3000:]}")
+                    r = json.loads(proc.stdout.strip().splitlines()[-1])
+                    r["decode_bytes_per_token"] = decode_bytes_per_token(files[q, d])
+                    _peer_fractions(r)
+                    runs.append(r)
+                by_threads.append(_extrapolate(depths, runs, args.prompt))
+            best = max(by_threads, key=lambda r: r["decode_tok_s"])
+            best_pre = max(by_threads, key=lambda r: max(r["prefill"].values()))
+            if best_pre is not best:  # the prefill cell says which thread count gave it
+                best["prefill"] = best_pre["prefill"]
+                best["prefill_unit"] = f"{best_pre['threads']} threads, batch"
+            rows.append(best)
+        return rows
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def peer_summary(rows: list[dict], peer_rows: list[dict]) -> str:
+    """Ours against the fastest llama.cpp row, decode and prefill each its own fastest."""
+    top_dec = max(peer_rows, key=lambda r: r["decode_tok_s"])
+    top_pre = max(peer_rows, key=lambda r: max(r["prefill"].values()))
+    pre_peer = max(top_pre["prefill"].values())
+    lines = []
+    for res in rows:
+        pre = max(res["prefill"].values())
+        lines.append(
+            f"# {res['quant']} / fastest llama.cpp: decode "
+            f"{res['decode_tok_s'] / top_dec['decode_tok_s']:.2f}x ({top_dec['quant']}), "
+            f"prefill {pre / pre_peer:.2f}x ({top_pre['quant']})"
+        )
+    return "\n".join(lines)
+
+
 def _spread(rates: list[float]) -> str:
     return f"{np.median(rates):.1f} ({min(rates):.0f}-{max(rates):.0f})"
+
+
+def _extrapolate(depths: list[int], runs: list[dict], prompt: int) -> dict:
+    """The deeper run's result, with times extrapolated to 32 layers when two depths ran."""
+    res = dict(runs[-1])
+    if len(runs) == 2:  # linear in depth: time(L) = a + b L
+        (l1, r1), (l2, r2) = (depths[0], runs[0]), (depths[1], runs[1])
+
+        def at32(t1: float, t2: float, l1=l1, l2=l2) -> float:
+            b = (t2 - t1) / (l2 - l1)
+            return t1 + b * (32 - l1)
+
+        res["decode_s"] = at32(r1["decode_s"], r2["decode_s"])
+        res["decode_tok_s"] = 1 / res["decode_s"]
+        res["prefill"] = {
+            c: prompt
+            / at32(prompt / r1["prefill"][c], prompt / r2["prefill"][c])
+            for c in r2["prefill"]
+        }
+        per_layer = (r2["decode_bytes_per_token"] - r1["decode_bytes_per_token"]) / (l2 - l1)
+        res["decode_bytes_per_token"] = r1["decode_bytes_per_token"] + per_layer * (32 - l1)
+        res["extrapolated_from"] = depths
+        # fractions of the extrapolated time at the deeper run's bandwidth
+        rate = res["decode_tok_s"] * res["decode_bytes_per_token"] / 1e9
+        res["roofline_fraction"] = rate / float(np.median(res["copy_gb_s"]))
+        res["read_roofline_fraction"] = rate / float(np.median(res["read_gb_s"]))
+    return res
 
 
 def main() -> None:
@@ -348,18 +544,36 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--chunks", default="128", help="prefill chunk sizes to try, e.g. 64,512")
+    parser.add_argument("--peer", default="",
+                        help="rwkv7 only: llama.cpp in the same run on its own GGUF of the same "
+                        "shape, quantized to these types (comma-separated: Q4_0,Q4_K_M,Q4_1)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--compile-only", nargs=2, metavar=("QUANT", "LAYERS"))
     parser.add_argument(
         "--measure", nargs=5, metavar=("QUANT", "LAYERS", "PROMPT", "DECODE", "CHUNKS")
     )
+    parser.add_argument(
+        "--measure-peer", nargs=6,
+        metavar=("GGUF", "QTYPE", "LAYERS", "THREADS", "PROMPT", "DECODE"),
+    )
     args = parser.parse_args()
+    if args.peer and args.arch != "rwkv7":
+        parser.error("--peer needs --arch rwkv7 (llama.cpp's RWKV-7 layout is the one written)")
+    for qtype in filter(None, args.peer.split(",")):
+        if qtype not in PEER_TYPES:
+            parser.error(f"--peer: {qtype!r} is not one of {', '.join(PEER_TYPES)}")
     global ARCH
     ARCH = args.arch
     if args.compile_only:
         path, seconds = compile_lib(args.compile_only[0], int(args.compile_only[1]))
         print(f"compiled in {seconds:.1f} s" if seconds else "cached", file=sys.stderr)
         print(path)
+        return
+    if args.measure_peer:
+        gguf_path, qtype, layers, threads, prompt, steps = args.measure_peer
+        res = measure_peer(Path(gguf_path), qtype, int(layers), int(threads), int(prompt),
+                           int(steps))
+        print(json.dumps(res))
         return
     if args.measure:
         q, layers, prompt, steps, chunks = args.measure
@@ -378,29 +592,8 @@ def main() -> None:
             run_child([quant, str(d), str(args.prompt), str(args.decode), args.chunks])
             for d in depths
         ]
-        res = dict(runs[-1])
-        if len(runs) == 2:  # linear in depth: time(L) = a + b L
-            (l1, r1), (l2, r2) = (depths[0], runs[0]), (depths[1], runs[1])
-
-            def at32(t1: float, t2: float, l1=l1, l2=l2) -> float:
-                b = (t2 - t1) / (l2 - l1)
-                return t1 + b * (32 - l1)
-
-            res["decode_s"] = at32(r1["decode_s"], r2["decode_s"])
-            res["decode_tok_s"] = 1 / res["decode_s"]
-            res["prefill"] = {
-                c: args.prompt
-                / at32(args.prompt / r1["prefill"][c], args.prompt / r2["prefill"][c])
-                for c in r2["prefill"]
-            }
-            per_layer = (r2["decode_bytes_per_token"] - r1["decode_bytes_per_token"]) / (l2 - l1)
-            res["decode_bytes_per_token"] = r1["decode_bytes_per_token"] + per_layer * (32 - l1)
-            res["extrapolated_from"] = depths
-            # fractions of the extrapolated time at the deeper run's bandwidth
-            rate = res["decode_tok_s"] * res["decode_bytes_per_token"] / 1e9
-            res["roofline_fraction"] = rate / float(np.median(res["copy_gb_s"]))
-            res["read_roofline_fraction"] = rate / float(np.median(res["read_gb_s"]))
-        rows.append(res)
+        rows.append(_extrapolate(depths, runs, args.prompt))
+    peer_rows = run_peers(args) if args.peer else []
     print(
         "# roofline = weight bytes read per token / memory bandwidth, sampled between decode "
         "rounds: copy = numpy copy of 1 GiB (read + write, the issue's definition), "
@@ -412,8 +605,9 @@ def main() -> None:
         f"| read GB/s | of read roofline | prefill {args.prompt} tok/s | peak RSS GB |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for res in rows:
-        pre = ", ".join(f"{v:.1f} (chunk {c})" for c, v in res["prefill"].items())
+    for res in rows + peer_rows:
+        unit = res.get("prefill_unit", "chunk")
+        pre = ", ".join(f"{v:.1f} ({unit} {c})" for c, v in res["prefill"].items())
         extra = ""
         if "extrapolated_from" in res:
             extra = f" (from {res['extrapolated_from']} layers)"
@@ -424,8 +618,13 @@ def main() -> None:
             f"| {_spread(res['read_gb_s'])} | {res['read_roofline_fraction']:.0%} "
             f"| {pre} | {res['peak_rss_gb']:.2f} |"
         )
+    if peer_rows:
+        print(peer_summary(rows, peer_rows))
     if args.json:
-        print(json.dumps({"results": rows}, indent=2))
+        out = {"results": rows}
+        if peer_rows:
+            out["peers"] = peer_rows
+        print(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":
