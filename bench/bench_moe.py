@@ -129,6 +129,7 @@ def run_peers(src: Path, args: argparse.Namespace, probe) -> list[dict]:
     """llama.cpp's rows: each --peer type made from the same weights and timed at each thread
     count; no GGUF is left on the disk."""
     import moe_gguf
+    from gguf_quantize import quantize
 
     work = src.parent / f"{src.name}-gguf"
     shutil.rmtree(work, ignore_errors=True)
@@ -143,7 +144,7 @@ def run_peers(src: Path, args: argparse.Namespace, probe) -> list[dict]:
         qtypes = args.peer.split(",")
         for i, qtype in enumerate(qtypes):
             t = time.perf_counter()
-            path = moe_gguf.quantize(source, work / f"{qtype}.gguf", qtype)
+            path = quantize(source, work / f"{qtype}.gguf", qtype)
             print(f"  llama.cpp {qtype:<12} {path.stat().st_size / 1e9:.2f} GB, quantized in "
                   f"{time.perf_counter() - t:.0f} s", flush=True)
             if i == len(qtypes) - 1:

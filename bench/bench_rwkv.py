@@ -433,7 +433,8 @@ def run_peers(args) -> list[dict]:
     import shutil
     import tempfile
 
-    from rwkv7_gguf import decode_bytes_per_token, quantize, write_rwkv7_gguf
+    from gguf_quantize import quantize
+    from rwkv7_gguf import decode_bytes_per_token, write_rwkv7_gguf
 
     cfg = WORLD_2B9_V7
     qtypes = [q for q in args.peer.split(",") if q]

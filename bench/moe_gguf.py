@@ -7,16 +7,14 @@ experts merged into one [E, out, in] tensor, `ffn_gate_exps` / `ffn_up_exps` / `
 in F16 or, where the disk is short, Q8_0 (gguf.quants; llama.cpp then requantizes from it). The
 tokenizer is a minimal "gpt2" one of the model's vocabulary size (the 256 byte symbols, filler
 tokens, one merge): the benchmark feeds token ids, so only that llama.cpp loads it matters.
-`quantize` makes llama.cpp's own file of a type (`llama_model_quantize`, its default tensor
-types), `run_peer` times one file at one thread count the way bench/bench_engine.py times its
-peer, and `bytes_per_token` counts what a decode step of it reads.
+llama.cpp's own file of a type is made by `gguf_quantize.quantize`; `run_peer` times one
+file at one thread count the way bench/bench_engine.py times its peer, and `bytes_per_token`
+counts what a decode step of it reads.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -181,35 +179,6 @@ def write_gguf(hf_dir: Path, path: Path, dtype: str = "F16") -> Path:
     w.close()
     tmp.rename(path)
     return path
-
-
-def quantize(src: Path, dst: Path, qtype: str) -> Path:
-    """llama.cpp's `qtype` file ("Q4_0", "Q4_K_M") of `src`, with its default tensor types."""
-    import llama_cpp
-
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{qtype}")
-    params.nthread = os.cpu_count() or 1
-    params.allow_requantize = True  # a Q8_0 source
-    tmp = dst.with_suffix(".tmp")
-    log = dst.with_suffix(".log")
-    # llama.cpp logs a line per tensor on stderr: kept in a file, shown only on failure
-    saved = os.dup(2)
-    with open(log, "wb") as fh:
-        os.dup2(fh.fileno(), 2)
-        try:
-            rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(),
-                                                ctypes.byref(params))
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-    text = log.read_text(errors="replace")
-    log.unlink()
-    if rc != 0:
-        tmp.unlink(missing_ok=True)
-        raise SystemExit(f"llama_model_quantize {qtype} failed ({rc}):\n{text[-3000:]}")
-    tmp.rename(dst)
-    return dst
 
 
 def bytes_per_token(path: Path, experts: int, top: int) -> int:

@@ -1,5 +1,5 @@
 """A random-weight RWKV-7 GGUF in llama.cpp's layout (architecture `rwkv7`), for timing llama.cpp
-on a shape no downloaded checkpoint is needed for, and its quantized copies.
+on a shape no downloaded checkpoint is needed for (its quantized copies: `gguf_quantize`).
 
 The tensor names, shapes and dtypes follow llama.cpp's loader (`llama_model_rwkv7`'s
 `load_arch_tensors`) and its converter's choices: 1-D tensors, the token-shift lerps and the
@@ -147,26 +147,6 @@ def write_rwkv7_gguf(path: Path | str, *, hidden: int, layers: int, head_size: i
         w.write_tensor_data(_value(rng, shape, dt, init))
     w.close()
     return path
-
-
-def quantize(src: Path | str, dst: Path | str, ftype: str) -> Path:
-    """llama.cpp's `ftype` copy ("Q4_0", "Q4_K_M", "Q4_1") of `src` with its default tensor
-    types, made as bench_engine makes its peer files (`llama_model_quantize`)."""
-    import ctypes
-    import logging
-
-    import llama_cpp
-
-    # llama-cpp-python echoes every llama.cpp log line (one per tensor here) unless told
-    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
-    params.nthread = os.cpu_count() or 1
-    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(),
-                                        ctypes.byref(params))
-    if rc != 0:
-        raise RuntimeError(f"llama_model_quantize {ftype} failed ({rc})")
-    return Path(dst)
 
 
 def decode_bytes_per_token(path: Path | str) -> int:
