@@ -238,7 +238,8 @@ def _gemm(
         # Rows split into chunks of equal size (a multiple of MR, at most MC): the thread pool
         # gives each thread a contiguous run of tasks, so with chunks of MC and a short last one
         # (512 rows: 480 + 32) one thread would do 15 times the other's work.
-        per = T.min(MC, ((m + (m + MC - 1) // MC - 1) // ((m + MC - 1) // MC) + MR - 1) // MR * MR)
+        chunks = (m + MC - 1) // MC
+        per = T.min(MC, ((m + chunks - 1) // chunks + MR - 1) // MR * MR)
         # row chunk major: consecutive tasks of a thread share the X rows it packs
         for t in T.parallel((m + per - 1) // per * nblocks):
             if t % nblocks < nblocks - 1:
