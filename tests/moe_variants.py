@@ -39,6 +39,17 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "olmoe": ("OlmoeConfig", {"num_experts": 6, "norm_topk_prob": False,
                               "head_dim": None}),  # hidden / heads
     "mixtral": ("MixtralConfig", {"num_local_experts": 6, "sliding_window": None}),
+    # gpt-oss: sinks, q/k/v/o biases, a window of 5 (shorter than the tests' sequences) on the
+    # first layer, YaRN (transformers' default: factor 32 over 4,096), biased router and
+    # experts, clamped SwiGLU (its limit low enough that the clamp bites)
+    "gpt-oss": ("GptOssConfig", {"num_local_experts": 6, "sliding_window": 5,
+                                 "layer_types": ["sliding_attention", "full_attention"],
+                                 "swiglu_limit": 0.5}),
+    # the same with the experts' widths multiples of 32, as MXFP4 blocks need (OpenAI's format)
+    "gpt-oss-mxfp4": ("GptOssConfig", {"num_local_experts": 6, "sliding_window": 5,
+                                       "layer_types": ["sliding_attention", "full_attention"],
+                                       "swiglu_limit": 0.5, "hidden_size": 128,
+                                       "intermediate_size": 96, "head_dim": 32}),
     # every layer MoE, as llama.cpp's `qwen3moe` files are (GGUF import; not compiled)
     "qwen3-moe-all": ("Qwen3MoeConfig", {"num_experts": 6, "moe_intermediate_size": 88,
                                          "norm_topk_prob": True}),
@@ -69,9 +80,13 @@ def build_variant(name: str) -> Path:
         perm = torch.randperm(config.vocab_size)
         model.lm_head.weight.copy_(model.model.embed_tokens.weight[perm] * 4.0)
         for layer in model.model.layers:
-            router = getattr(layer.mlp, "gate", None)
+            router = getattr(layer.mlp, "gate", None) or getattr(layer.mlp, "router", None)
             if router is not None and hasattr(router, "weight"):
                 router.weight.normal_(0.0, 0.5)
+            # gpt-oss initializes its biases to zero and its sinks near it: make them count
+            for name, param in layer.named_parameters():
+                if name.endswith(("_bias", "router.bias")) or name.endswith("attn.sinks"):
+                    param.normal_(0.0, 1.0 if name.endswith("sinks") else 0.3)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{name}-"))
     model.save_pretrained(tmp)

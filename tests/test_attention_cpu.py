@@ -370,6 +370,7 @@ def test_split_rotary_matches_tvms_kernel(scaling: dict, rotary_dim: int) -> Non
 
 
 def test_split_rotary_leaves_other_scalings_to_tvm() -> None:
-    yarn = {"rope_type": "yarn", "factor": 4.0}
-    assert attention.split_rotary_cpu(1e4, 1.0, 64, 4, 2, "float32", yarn, 64) is None
+    longrope = {"rope_type": "longrope", "max_position_embeddings": 8192,
+                "original_max_position_embeddings": 4096}
+    assert attention.split_rotary_cpu(1e4, 1.0, 64, 4, 2, "float32", longrope, 64) is None
     assert attention.split_rotary_cpu(1e4, 1.0, 64, 4, 2, "float32", {}, 63) is None

@@ -200,8 +200,8 @@ def test_split_rotary_partial_width_matches_numpy() -> None:
 
 
 def test_rotary_qkv_refuses_what_it_cannot_do() -> None:
-    with pytest.raises(ValueError, match="yarn"):
-        attention.rotary_qkv_cpu(1e4, 1.0, 32, 4, 2, "float32", {"rope_type": "yarn"})
+    with pytest.raises(ValueError, match="longrope"):
+        attention.rotary_qkv_cpu(1e4, 1.0, 32, 4, 2, "float32", {"rope_type": "longrope"})
     with pytest.raises(ValueError, match="rotary_dim"):
         attention.rotary_qkv_cpu(1e4, 1.0, 32, 4, 2, "float32", None, 33)
 

@@ -56,7 +56,7 @@ REQUIRED = [
     "gemma-3-4b-it", "gemma-2-2b-it", "phi-3.5-mini-instruct", "phi-4-mini-instruct",
     "olmo-2-1b-instruct", "smollm3-3b", "deepseek-r1-distill-qwen-1.5b", "llama-3.1-8b-instruct",
     # mixtures of experts (issue 27)
-    "qwen3-30b-a3b", "olmoe-1b-7b-instruct", "mixtral-8x7b-instruct",
+    "qwen3-30b-a3b", "olmoe-1b-7b-instruct", "mixtral-8x7b-instruct", "gpt-oss-20b",
 ]
 EMBEDDING_ARCHITECTURES = ("bert", "nomic_bert")  # full precision by default
 

@@ -43,7 +43,15 @@ kernels there were before them:
 * the attention scale is the `sm_scale` each call passes (Gemma's query_pre_attn_scalar^-0.5);
 * rotary embedding the model applies itself (`rotary_qkv_cpu`, with the cache in
   RopeMode.NONE): per-layer theta, no rope on a layer, partial width. The cache's own rotary
-  (`split_rotary_cpu`) does partial width too (`rotary_dim`), the same for every layer.
+  (`split_rotary_cpu`) does partial width too (`rotary_dim`), the same for every layer;
+* attention sinks (gpt-oss, `attn_sinks`): a learned logit per (layer, head) joins each query's
+  softmax as one more key with value 0. No buffer reaches a kernel, so the sink rides in q: the
+  head dim is the model's plus `SINK_PAD` lanes, the sink in the first pad lane of each query
+  head, zeros in the other pad lanes and in K's and V's. The runtime computes one query's
+  attention as several calls (ragged part, one paged call per depth) whose states it merges, so
+  the sink must be counted exactly once: by the call whose keys include the query's own position
+  (the ragged causal kernel always; a paged prefill or decode call iff the query's position lies
+  within its keys' positions, i.e. the decode depth holding the just-appended key).
 """
 
 from __future__ import annotations
@@ -78,6 +86,10 @@ DECODE_MIN_SPLIT = 64  # fewest keys in a decode split
 NEG_INF = -1.0e30  # "minus infinity" that stays finite through subtraction
 EMPTY_LSE = -5.0e4  # lse of a query with no keys (TVM's kernels use the same value)
 TARGET_ACCUMULATORS = 24  # vector registers given to an accumulator tile (of 32 zmm)
+# Attention sinks (gpt-oss): the cache's head dim is the model's plus SINK_PAD lanes, and each
+# query head carries its sink logit in lane d - SINK_PAD (see `ScoreOptions.sinks`). 16 keeps a
+# head dim that is a multiple of 16 (gpt-oss: 64 -> 80) in whole 16-lane vectors.
+SINK_PAD = 16
 
 
 def _row_tile(rows: int, vecs_per_row: int) -> int:
@@ -104,15 +116,27 @@ class ScoreOptions:
     sliding_window: W > 0 lets a call whose `sm_scale` is negative (`windowed_sm_scale`) attend
     only to the keys of the last W positions (the query's own included), at |sm_scale|; calls
     with a positive sm_scale attend to all keys. 0: off (sm_scale is used as given).
+    sinks: per-(layer, head) attention sinks (gpt-oss), one more key with a learned score and
+    value 0: o = sum_j e^s_j v_j / (sum_j e^s_j + e^sink). The head dim d is the model's
+    d_real + `SINK_PAD`; query head h carries its sink logit (natural-log units, not scaled by
+    sm_scale) in lane d_real = d - SINK_PAD of q, and q's other pad lanes and all of K's and V's
+    are 0 (so q.k over all d lanes is the real q.k, and the output's pad lanes are 0). The
+    runtime merges several calls per query (ragged part, paged depths), so the sink is counted
+    in exactly one: the call whose keys include the query's own position (the ragged causal
+    kernel always; a paged call iff the query's position lies in its keys' positions). Not
+    subject to the sliding window; not combined with soft_cap.
 
-    The helpers return the expressions of the kernels; with both options off they are exactly
+    The helpers return the expressions of the kernels; with the options off they are exactly
     the expressions the kernels had before the options existed, so default kernels are unchanged.
     """
 
     soft_cap: float = 0.0
     sliding_window: int = 0
+    sinks: bool = False
 
     def __post_init__(self) -> None:
+        if self.sinks and self.soft_cap:
+            raise ValueError("attention sinks are not combined with an attention soft-cap")
         if self.soft_cap < 0:
             raise ValueError(f"the attention soft-cap must be >= 0, not {self.soft_cap}")
         if self.sliding_window < 0:
@@ -131,6 +155,15 @@ class ScoreOptions:
         if self.soft_cap:
             return T.float32(self.soft_cap * LOG2E) * tanh(dot)
         return dot
+
+    def sink(self, q_raw):
+        """The sink score in log2 units from lane d - SINK_PAD of the (unscaled) query."""
+        return T.Cast("float32", q_raw) * T.float32(LOG2E)
+
+    def has_sink(self, q_pos, k_pos0, kv_n):
+        """Whether a paged call's keys (positions k_pos0 .. k_pos0 + kv_n - 1) include the
+        query's own position q_pos: then that call is the one that counts the query's sink."""
+        return tirx.And(q_pos >= k_pos0, q_pos < k_pos0 + kv_n)
 
     def first_key(self, sm_scale, q_pos, k_pos0):
         """The first key (index from the one at position k_pos0) that a query at position q_pos
@@ -213,6 +246,17 @@ def _prefill_macros(
         if window:
             return T.min(lim[bq], kv_stop) + kb * KEY_BLOCK
         return kb * KEY_BLOCK
+
+    @T.macro
+    def fold_sink(qf, o, m, lsum, alpha, tok, h, r):
+        # row r (query token tok, head h) <- its state with the head's sink as one more key
+        sk: T.let[T.float32] = opts.sink(qf[(tok * h_q + h) * d_qk + d_qk - SINK_PAD])
+        mx1: T.let[T.float32] = T.max(m[r], sk)
+        alpha[r] = exp2(m[r] - mx1)
+        lsum[r] = lsum[r] * alpha[r] + exp2(sk - mx1)
+        m[r] = mx1
+        for c in T.vectorized(d_v):
+            o[r, c] = o[r, c] * alpha[r]
 
     @T.macro
     def seq_block(
@@ -365,6 +409,11 @@ def _prefill_macros(
             for qi in range(nq):
                 tok: T.let[T.int32] = b_tok0 + q0 + qi
                 r: T.let[T.int32] = (g * qv_n + qi // LANES) * LANES + qi % LANES
+                if opts.sinks and not paged:  # causal over the new tokens: the query's own key
+                    fold_sink(qf, o, m, lsum, alpha, tok, h0 + g, r)
+                if opts.sinks and paged:
+                    if opts.has_sink(q_pos[tok], k_pos0, kv_n):
+                        fold_sink(qf, o, m, lsum, alpha, tok, h0 + g, r)
                 if lsum[r] > T.float32(0):
                     for c in T.vectorized(d_v):
                         outf[(tok * h_q + h0 + g) * d_v + c] = T.Cast(dtype, o[r, c] / lsum[r])
@@ -401,13 +450,15 @@ def attention_prefill_ragged_cpu(
     *,
     soft_cap: float = 0.0,
     sliding_window: int = 0,
+    sinks: bool = False,
 ) -> tirx.PrimFunc:
     """Causal (or full) attention of a batch of new tokens to themselves: k/v ragged in memory.
 
     Same signature as TVM's `_attention_prefill_ragged_cpu`; rope arguments are ignored.
-    `soft_cap`, `sliding_window`: see `ScoreOptions` (a window reads the rope positions).
+    `soft_cap`, `sliding_window`, `sinks`: see `ScoreOptions` (a window reads the rope
+    positions; with sinks every query counts its sink here).
     """
-    opts = ScoreOptions(soft_cap, sliding_window)
+    opts = ScoreOptions(soft_cap, sliding_window, sinks)
     seq_block, locate, bq, n_sub, gs = _prefill_macros(
         h_kv, h_q, d_qk, d_v, dtype, paged=False, opts=opts
     )
@@ -503,14 +554,16 @@ def attention_prefill_paged_cpu(
     *,
     soft_cap: float = 0.0,
     sliding_window: int = 0,
+    sinks: bool = False,
 ) -> tirx.PrimFunc:
     """Attention of a batch of new tokens to the pages already in the cache.
 
     Same signature as TVM's `_attention_prefill_cpu(..., sliding_window=False)`, and like it
     compiled for one page size (16 by default). Rope arguments are ignored.
-    `soft_cap`, `sliding_window`: see `ScoreOptions` (a window reads the rope positions).
+    `soft_cap`, `sliding_window`, `sinks`: see `ScoreOptions` (a window, and the test whether a
+    query's sink belongs to this call, read the rope positions).
     """
-    opts = ScoreOptions(soft_cap, sliding_window)
+    opts = ScoreOptions(soft_cap, sliding_window, sinks)
     seq_block, locate, bq, n_sub, gs = _prefill_macros(
         h_kv, h_q, d, d, dtype, paged=True, ps=page_size, opts=opts
     )
@@ -619,15 +672,17 @@ def attention_decode_paged_cpu(
     *,
     soft_cap: float = 0.0,
     sliding_window: int = 0,
+    sinks: bool = False,
 ) -> tirx.PrimFunc:
     """One new token per sequence attending to all its pages (the new token's K/V included).
 
     Same signature as TVM's `_attention_decode_cpu(..., sliding_window=False)`, and like it
     compiled for one page size (16 by default). Rope arguments are ignored.
-    `soft_cap`, `sliding_window`: see `ScoreOptions`; a windowed call splits and reads only the
-    keys in the window.
+    `soft_cap`, `sliding_window`, `sinks`: see `ScoreOptions`; a windowed call splits and reads
+    only the keys in the window; a sink is added once, after the splits are merged, when the
+    sequence's keys in this call include the query's own position.
     """
-    opts = ScoreOptions(soft_cap, sliding_window)
+    opts = ScoreOptions(soft_cap, sliding_window, sinks)
     group = _check_heads(h_kv, h_q)
     vw = vec_width(d)
     nv = d // vw
@@ -670,6 +725,11 @@ def attention_decode_paged_cpu(
         if opts.sliding_window:
             return kv_n - skipped(kv_n, q_pos, k_pos0, sm_scale)
         return kv_n
+
+    def seq_keys(page_indptr, length_info, b):
+        # the keys of sequence b in this call
+        npg = page_indptr[b + 1] - page_indptr[b]
+        return T.if_then_else(npg > 0, (npg - 1) * page_size + length_info[b], 0)
 
     def split_start(start, kv_n, q_pos, k_pos0, sm_scale):
         if opts.sliding_window:
@@ -829,6 +889,21 @@ def attention_decode_paged_cpu(
                     st[1] = st[1] + part_l[bh * n_split + sp, g] * st[2]
                     for c in T.vectorized(d):
                         mo[c] = mo[c] + part_o[bh * n_split + sp, g, c] * st[2]
+                if opts.sinks:
+                    if opts.has_sink(
+                        _q_rope_position[bh // h_kv],
+                        _k_rope_pos_offset[bh // h_kv],
+                        seq_keys(page_table_indptr, length_info, bh // h_kv),
+                    ):
+                        sk: T.let[T.float32] = opts.sink(
+                            Q[bh // h_kv, (bh % h_kv) * group + g, d - SINK_PAD]
+                        )
+                        mx1: T.let[T.float32] = T.max(st[0], sk)
+                        st[2] = exp2(st[0] - mx1)
+                        st[1] = st[1] * st[2] + exp2(sk - mx1)
+                        st[0] = mx1
+                        for c in T.vectorized(d):
+                            mo[c] = mo[c] * st[2]
                 if st[1] > T.float32(0):
                     for c in T.vectorized(d):
                         output[bh // h_kv, (bh % h_kv) * group + g, c] = T.Cast(
@@ -884,8 +959,10 @@ def merge_state_inplace_cpu(h: int, d: int, dtype: str) -> tirx.PrimFunc:
 
 
 # Rope scalings whose frequency depends on a dimension only through d * 2 % rotary_dim (so the
-# two halves of a head share it): the ones `split_rotary_cpu` computes once per position.
-SHARED_FREQ_ROPE = (None, "llama3", "llama4")
+# two halves of a head share it): the ones `split_rotary_cpu` computes once per position. YaRN
+# is one in HF's definition (dims i and i + rotary_dim / 2 share frequency i); TVM's own kernel
+# evaluates YaRN's ramp at the second half's index, which HF does not, so it is only right here.
+SHARED_FREQ_ROPE = (None, "llama3", "llama4", "yarn")
 SERIAL_ROPE_TOKENS = 2  # up to this many tokens the rotary kernel runs on the calling thread
 
 
@@ -1109,6 +1186,7 @@ def create_paged_kv_cache_cpu(
     layer_sliding_window_size: int = 1024,
     attn_soft_cap: float = 0.0,
     sliding_window: int = 0,
+    attn_sinks: bool = False,
 ) -> PagedKVCache:
     """A paged KV cache like `TIRPagedKVCache(...)` (same arguments), with fast CPU attention.
 
@@ -1118,7 +1196,7 @@ def create_paged_kv_cache_cpu(
     TVM's. Anything else (other targets, MLA, RopeMode.INLINE) gets `TIRPagedKVCache` itself.
     The runtime page size must be 16, as for TVM's CPU kernels.
 
-    Our own options (both need our kernels, so an llvm target, MHA layers, NORMAL or NONE rope):
+    Our own options (all need our kernels, so an llvm target, MHA layers, NORMAL or NONE rope):
     - `attn_soft_cap`: c > 0 soft-caps every layer's scaled attention scores, c * tanh(s / c),
       before the softmax (Gemma 2: 50); 0 off.
     - `sliding_window`: W > 0 compiles a window of W positions into the kernels; the layers that
@@ -1127,6 +1205,11 @@ def create_paged_kv_cache_cpu(
       the chunking, batching or forking of the sequences (positions decide it). TVM's own
       per-layer window (attn_kind "mha_sliding", `layer_sliding_window_size`) still goes to TVM's
       serial kernels and cannot be combined with these options.
+    - `attn_sinks`: per-(layer, head) attention sinks (gpt-oss; see `ScoreOptions.sinks`). The
+      model passes qk_head_dim = v_head_dim = d_real + SINK_PAD and rotary_dim = d_real (the
+      cache's rotary leaves the pad lanes as they are), puts each query head's sink logit (natural
+      log units, not scaled) in lane d_real of q and zeros in the other pad lanes of q, k and v,
+      and drops the pad lanes of the output. Not combined with `attn_soft_cap`.
     """
     kinds = attn_kind if isinstance(attn_kind, list) else [attn_kind] * num_hidden_layers
     ours = not (
@@ -1134,18 +1217,34 @@ def create_paged_kv_cache_cpu(
         or any(k == "mla" for k in kinds)
         or int(rope_mode) == int(RopeMode.INLINE)
     )
-    if attn_soft_cap or sliding_window:
+    if attn_soft_cap or sliding_window or attn_sinks:
         if not ours:
             raise ValueError(
-                "attn_soft_cap and sliding_window need the CPU attention kernels: an llvm target, "
-                "MHA layers and rope_mode NORMAL or NONE"
+                "attn_soft_cap, sliding_window and attn_sinks need the CPU attention kernels: an "
+                "llvm target, MHA layers and rope_mode NORMAL or NONE"
             )
         if "mha_sliding" in kinds:
             raise ValueError(
-                'attn_soft_cap and sliding_window do not apply to attn_kind "mha_sliding" layers '
-                "(TVM's kernels run those): mark windowed layers with windowed_sm_scale instead"
+                "attn_soft_cap, sliding_window and attn_sinks do not apply to attn_kind "
+                '"mha_sliding" layers (TVM\'s kernels run those): mark windowed layers with '
+                "windowed_sm_scale instead"
             )
-    score_opts = {"soft_cap": float(attn_soft_cap), "sliding_window": int(sliding_window)}
+    if attn_sinks:
+        if qk_head_dim != v_head_dim or qk_head_dim <= SINK_PAD:
+            raise ValueError(
+                f"attn_sinks needs qk_head_dim = v_head_dim = head_dim + SINK_PAD ({SINK_PAD}), "
+                f"not {qk_head_dim} and {v_head_dim}"
+            )
+        if int(rope_mode) == int(RopeMode.NORMAL) and rotary_dim > qk_head_dim - SINK_PAD:
+            raise ValueError(
+                f"attn_sinks needs rotary_dim <= qk_head_dim - SINK_PAD "
+                f"({qk_head_dim - SINK_PAD}), not {rotary_dim}: rotary would move the sink"
+            )
+    score_opts = {
+        "soft_cap": float(attn_soft_cap),
+        "sliding_window": int(sliding_window),
+        "sinks": bool(attn_sinks),
+    }
     ScoreOptions(**score_opts)  # checks the values
     if not ours:
         return TIRPagedKVCache(

@@ -152,6 +152,7 @@ REGISTRY: tuple[Entry, ...] = (
           gguf_architectures=("qwen3moe",)),
     Entry("olmoe", "olmoe", ("OlmoeForCausalLM",), ("olmoe",), gguf_architectures=("olmoe",)),
     Entry("mixtral", "mixtral", ("MixtralForCausalLM",), ("mixtral",)),
+    Entry("gpt_oss", "gpt_oss", ("GptOssForCausalLM",), ("gpt_oss",)),
     Entry("rwkv4", "rwkv4", ("RwkvForCausalLM",), ("rwkv",)),
     Entry("rwkv6", "rwkv6", ("Rwkv6ForCausalLM",), ("rwkv6",)),
     Entry("rwkv7", "rwkv7", ("Rwkv7ForCausalLM",), ("rwkv7",)),

@@ -23,6 +23,7 @@ from tvm.target import Target
 from localchat.engine.build.quantization import QuantMode
 from localchat.engine.kernels import elementwise
 from localchat.engine.kernels.attention import (
+    SINK_PAD,
     create_paged_kv_cache_cpu,
     rotary_qkv_cpu,
     windowed_sm_scale,
@@ -90,6 +91,9 @@ class LlamaConfig:
     # attention factor; phi3.py picks the short or the long factors from the compiled window
     rope_ext_factors: list[float] = dataclasses.field(default_factory=list)
     rope_attention_factor: float = 1.0
+    # gpt-oss: a learned logit per layer and query head in each softmax's denominator (its
+    # column dropped); carried to the CPU kernels in a padded lane of q (kernels.attention)
+    attn_sinks: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -134,7 +138,7 @@ class LlamaConfig:
         heads = int(need("num_attention_heads"))
         hidden = int(need("hidden_size"))
         head_dim = int(hf.get("head_dim") or hidden // heads)
-        rope_theta, rope_scaling = _rope_from_hf(hf)
+        rope_theta, rope_scaling, rope_factor = _rope_from_hf(hf)
         model_type = hf.get("model_type", "llama")
         qkv_bias = bool(hf.get("attention_bias", False)) or model_type == "qwen2"
         context = int(hf.get("max_position_embeddings") or 4096)
@@ -157,23 +161,56 @@ class LlamaConfig:
             qkv_bias=qkv_bias,
             o_bias=bool(hf.get("attention_bias", False)) and model_type != "qwen2",
             context_window_size=context,
+            # YaRN scales cos and sin (so q and k) by its attention factor: the scores by its
+            # square, folded into the attention scale
+            attn_scale=head_dim**-0.5 * rope_factor**2 if rope_factor != 1.0 else 0.0,
         )
 
 
-def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any], float]:
+    """(theta, our rope_scaling, YaRN's attention factor or 1) of an HF config.json."""
     params = hf.get("rope_parameters") or {}
     theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
     scaling = hf.get("rope_scaling") or params
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind == "default":
-        return float(theta), {}
+        return float(theta), {}, 1.0
     if kind == "llama3":
         keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
         missing = [k for k in keys if k not in scaling]
         if missing:
             raise ModelConfigError(f"llama3 rope scaling lacks {', '.join(missing)}")
-        return float(theta), {"rope_type": "llama3", **{k: scaling[k] for k in keys}}
+        return float(theta), {"rope_type": "llama3", **{k: scaling[k] for k in keys}}, 1.0
+    if kind == "yarn":
+        return float(theta), *_yarn_from_hf(scaling)
     raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported")
+
+
+def _yarn_from_hf(scaling: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    """YaRN's parameters (as TVM's rope reads them) and its attention factor, as transformers
+    computes them; only the untruncated correction range (gpt-oss's `truncate: false`) is
+    supported: TVM's YaRN frequencies do not round it."""
+    import math
+
+    if scaling.get("truncate", True):
+        raise UnsupportedModelError("YaRN rope scaling with a truncated correction range is not "
+                                    "supported (only truncate=false, as gpt-oss has)")
+    if "factor" not in scaling or "original_max_position_embeddings" not in scaling:
+        raise ModelConfigError("yarn rope scaling lacks factor or original_max_position_embeddings")
+    factor = float(scaling["factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    ours = {"rope_type": "yarn", "factor": factor,
+            "beta_fast": float(scaling.get("beta_fast") or 32),
+            "beta_slow": float(scaling.get("beta_slow") or 1),
+            "original_max_position_embeddings": int(scaling["original_max_position_embeddings"])}
+    return ours, float(attention)
 
 
 class LlamaAttention(nn.Module):
@@ -205,6 +242,25 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.num_kv * self.head_dim, cfg.rms_norm_eps, ctx)
         elif cfg.qk_norm:
             raise UnsupportedModelError(f"qk_norm {cfg.qk_norm!r} is not supported")
+        self.with_sinks = cfg.attn_sinks
+        if cfg.attn_sinks:
+            if not ctx.cpu:
+                raise UnsupportedModelError(
+                    f"attention sinks (gpt-oss) run on the CPU kernels only (not "
+                    f"{ctx.target_kind}: TVM 0.27's GPU attention has no sinks)")
+            self.sinks = nn.Parameter((self.num_q,), ctx.dtype)
+
+    def _sink_lanes(self, qkv: nn.Tensor) -> nn.Tensor:
+        """[b, s, heads, d] -> [b, s, heads, d + SINK_PAD]: each query head's sink logit in the
+        first pad lane, zeros elsewhere (keys and values), as the sink kernels read them."""
+        b, s, heads, _ = qkv.shape
+        dtype = str(qkv.dtype)
+        first = op.concat([op.reshape(self.sinks, (self.num_q, 1)),
+                           op.zeros((heads - self.num_q, 1), dtype)], dim=0)
+        lanes = op.concat([first, op.zeros((heads, SINK_PAD - 1), dtype)], dim=1)
+        lanes = op.broadcast_to(op.reshape(lanes, (1, 1, heads, SINK_PAD)),
+                                (b, s, heads, SINK_PAD))
+        return op.concat([qkv, lanes], dim=-1)
 
     def _normed_qkv(self, qkv: nn.Tensor) -> nn.Tensor:
         """[b, s, (q + 2 kv) * d] with q and k normalized (per head or over the projection)."""
@@ -250,7 +306,11 @@ class LlamaAttention(nn.Module):
             qkv = self._rotated(qkv, cache)
             # no reference module computes this: shown, checked for NaN/Inf, not compared
             probes.probe("rotary", qkv)
+        if self.with_sinks:
+            qkv = self._sink_lanes(qkv)
         out = cache.attention_with_fused_qkv(layer_id, qkv, self.num_q, sm_scale=self.call_scale)
+        if self.with_sinks:
+            out = op.split(out, [self.head_dim], axis=-1)[0]
         out = probes.probe("self_attn.o_proj:in", op.reshape(out, (b, s, q_size)))
         return probes.probe("self_attn.o_proj", self.o_proj(out, gemv))
 
@@ -435,6 +495,8 @@ class LlamaForCausalLM(nn.Module):
                     "attention soft-capping runs on the CPU kernels only (TVM 0.27's GPU "
                     "attention has no soft-cap)")
             options["attn_soft_cap"] = cfg.attn_softcap
+        if cfg.attn_sinks:
+            options["attn_sinks"] = True  # a CPU target: LlamaAttention refuses others
         return make(
             attn_kind=attn_kind,
             max_batch_size=max_batch_size,
@@ -446,8 +508,8 @@ class LlamaForCausalLM(nn.Module):
             num_hidden_layers=cfg.num_hidden_layers,
             num_attention_heads=cfg.num_attention_heads,
             num_key_value_heads=cfg.num_key_value_heads,
-            qk_head_dim=cfg.head_dim,
-            v_head_dim=cfg.head_dim,
+            qk_head_dim=cache_head_dim(cfg),
+            v_head_dim=cache_head_dim(cfg),
             mla_original_qk_head_dim=0,
             mla_original_v_head_dim=0,
             rope_mode=RopeMode.NONE if cfg.rope_per_layer else RopeMode.NORMAL,
@@ -491,6 +553,8 @@ def hf_params(
         yield ours + "self_attn.o_proj.weight", get(hf + "self_attn.o_proj.weight")
         if cfg.o_bias:
             yield ours + "self_attn.o_proj.bias", get(hf + "self_attn.o_proj.bias")
+        if cfg.attn_sinks:
+            yield ours + "self_attn.sinks", get(hf + "self_attn.sinks")
         if cfg.qk_norm:
             for qk in ("q_norm", "k_norm"):
                 yield ours + f"self_attn.{qk}.weight", norm(hf + f"self_attn.{qk}.weight")
@@ -522,9 +586,14 @@ def dense_mlp_params(
         yield ours + "mlp.down_proj.bias", get(hf + "mlp.down_proj.bias")
 
 
+def cache_head_dim(cfg: LlamaConfig) -> int:
+    """The head width the KV cache stores: head_dim, plus the sink lanes (attn_sinks)."""
+    return cfg.head_dim + (SINK_PAD if cfg.attn_sinks else 0)
+
+
 def kv_cache_bytes(cfg: LlamaConfig, dtype: str, max_batch_size: int, tokens: int) -> int:
     """Bytes of a KV cache holding `tokens` positions (keys and values of every layer)."""
-    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cache_head_dim(cfg)
     return per_token * np.dtype(dtype).itemsize * tokens
 
 

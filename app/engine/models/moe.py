@@ -47,6 +47,14 @@ class MoeConfig(llama.LlamaConfig):
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: list[int] = dataclasses.field(default_factory=list)
+    # gpt-oss: biases on the router and on each expert's projections, and its clamped SwiGLU
+    # ("swiglu_clamp": gate clamped above, up both sides at `swiglu_limit`, then
+    # gate * sigmoid(swiglu_alpha * gate) * (up + 1)); the others: plain SwiGLU, no biases
+    router_bias: bool = False
+    expert_bias: bool = False
+    expert_act: str = "silu"
+    swiglu_alpha: float = 0.0
+    swiglu_limit: float = 0.0
 
     def is_moe(self, layer_id: int) -> bool:
         """Whether layer `layer_id`'s MLP is the mixture of experts."""
@@ -74,19 +82,24 @@ def moe_config(base: llama.LlamaConfig, experts: int, per_token: int, intermedia
 
 
 class Router(nn.Module):
-    """The router's weight [experts, hidden], float in every mode (HF's `mlp.gate`)."""
+    """The router's weight [experts, hidden] (and bias), float in every mode (HF's `mlp.gate`,
+    gpt-oss's `mlp.router`)."""
 
-    def __init__(self, experts: int, hidden: int, dtype: str) -> None:
+    def __init__(self, experts: int, hidden: int, dtype: str, bias: bool = False) -> None:
         self.weight = nn.Parameter((experts, hidden), dtype)
+        self.bias = nn.Parameter((experts,), dtype) if bias else None
 
 
 class Experts(nn.Module):
-    """The experts' stacked projections (HF's `mlp.experts`), as 2-D Linear weights."""
+    """The experts' stacked projections (HF's `mlp.experts`), as 2-D Linear weights, and
+    their biases [experts, out] (gpt-oss), float in every mode."""
 
     def __init__(self, cfg: MoeConfig, ctx: BuildContext) -> None:
         e, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.gate_up_proj = Linear(h, e * 2 * f, False, ctx)
         self.down_proj = Linear(f, e * h, False, ctx)
+        self.gate_up_bias = nn.Parameter((e, 2 * f), ctx.dtype) if cfg.expert_bias else None
+        self.down_bias = nn.Parameter((e, h), ctx.dtype) if cfg.expert_bias else None
 
 
 class MoeMLP(nn.Module):
@@ -96,6 +109,9 @@ class MoeMLP(nn.Module):
     def __init__(self, cfg: MoeConfig, ctx: BuildContext) -> None:
         if cfg.hidden_act != "silu" or cfg.mlp_bias:
             raise UnsupportedModelError("MoE experts are SwiGLU without biases")
+        if cfg.expert_act not in ("silu", "swiglu_clamp"):
+            raise UnsupportedModelError(f"MoE expert activation {cfg.expert_act!r} is not "
+                                        f"supported (silu, swiglu_clamp)")
         if ctx.mode.quantized and ctx.mode.bits != 4:
             raise UnsupportedModelError(f"MoE experts in {ctx.mode.name} are not supported "
                                         f"(float or 4-bit modes)")
@@ -105,9 +121,10 @@ class MoeMLP(nn.Module):
         self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
         self.hidden, self.inter = cfg.hidden_size, cfg.moe_intermediate_size
         self.norm = cfg.norm_topk_prob
+        self.act, self.alpha, self.limit = cfg.expert_act, cfg.swiglu_alpha, cfg.swiglu_limit
         self.mode, self.ctx = ctx.mode, ctx
         self.float_mode = get_quant_mode("q0f16" if ctx.dtype == "float16" else "q0f32")
-        self.gate = Router(cfg.num_experts, cfg.hidden_size, ctx.dtype)
+        self.gate = Router(cfg.num_experts, cfg.hidden_size, ctx.dtype, cfg.router_bias)
         self.experts = Experts(cfg, ctx)
 
     def _quant(self) -> str:
@@ -125,11 +142,24 @@ class MoeMLP(nn.Module):
             func, "moe_gemv", args=[x, *weights, idx],
             out=nn.Tensor.placeholder((x.shape[0], self.top_k, n), self.ctx.dtype))
 
+    def _swiglu_clamp(self, gate_up: nn.Tensor) -> nn.Tensor:
+        """gpt-oss's activation of [..., 2F] = [gate | up]: gate clamped above at the limit, up
+        on both sides, gate * sigmoid(alpha * gate) * (up + 1)."""
+        gate, up = op.split(gate_up, 2, axis=-1)
+        dtype = str(gate_up.dtype)
+
+        def const(v: float) -> nn.Tensor:
+            return nn.Tensor.from_const(np.array(v, dtype=dtype))
+
+        gate = op.minimum(gate, const(self.limit))
+        up = op.maximum(op.minimum(up, const(self.limit)), const(-self.limit))
+        return gate * op.sigmoid(gate * const(self.alpha)) * (up + const(1.0))
+
     def forward(self, x: nn.Tensor, gemv: bool) -> nn.Tensor:
         b, s, h = x.shape
         x2 = op.reshape(x, (b * s, h))
-        logits = linear(x2, self.gate.weight, None, None, self.float_mode, self.ctx.target_kind,
-                        False, gemv)
+        logits = linear(x2, self.gate.weight, None, self.gate.bias, self.float_mode,
+                        self.ctx.target_kind, False, gemv)
         t, k, f = b * s, self.top_k, self.inter
         func = moe_kernels.router_topk(self.num_experts, k, self.norm, self.ctx.dtype)
         idx, weight = op.tensor_ir_op(
@@ -138,8 +168,12 @@ class MoeMLP(nn.Module):
                  nn.Tensor.placeholder((t, k), "float32")])
         gate_up = self._grouped(op.reshape(x2, (t, 1, h)), self.experts.gate_up_proj, idx, h,
                                 2 * f, shared=True)
-        act = silu_mul(gate_up, "llvm")
+        if self.experts.gate_up_bias is not None:
+            gate_up = gate_up + op.take(self.experts.gate_up_bias, idx, axis=0)
+        act = silu_mul(gate_up, "llvm") if self.act == "silu" else self._swiglu_clamp(gate_up)
         down = self._grouped(act, self.experts.down_proj, idx, f, h, shared=False)
+        if self.experts.down_bias is not None:
+            down = down + op.take(self.experts.down_bias, idx, axis=0)
         out = op.tensor_ir_op(moe_kernels.moe_combine(h, k, self.ctx.dtype), "moe_combine",
                               args=[down, weight],
                               out=nn.Tensor.placeholder((t, h), self.ctx.dtype))
