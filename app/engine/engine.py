@@ -22,6 +22,7 @@ from localchat import model_dir as md
 from localchat.engine.conversation import Conversation
 from localchat.engine.generation_config import GenerationConfig
 from localchat.engine.grammar import GrammarCache, TokenConstraint
+from localchat.engine.harmony import HarmonySplitter, HarmonyTokens
 from localchat.engine.prompt import (
     DEFAULT_REPLY_RESERVE,
     OverflowPolicy,
@@ -31,6 +32,7 @@ from localchat.engine.prompt import (
 )
 from localchat.engine.reasoning import (
     ReasoningSplitter,
+    Splitter,
     ThinkTags,
     check_think,
     model_thinks,
@@ -113,6 +115,7 @@ class Engine:
         # A reasoning model's replies are split into thinking and answer (reasoning.py).
         self.thinks = model_thinks(self.template, self.tokenizer)
         self.think_tags = ThinkTags.of(self.tokenizer)
+        self.harmony_tokens = HarmonyTokens.of(self.tokenizer)  # gpt-oss: channels, not tags
         limit = min(self.model.context_window_size, self.model.max_total_tokens)
         self.context_window = _check_window(context_window, limit) or limit
         check_policy(overflow)
@@ -379,11 +382,14 @@ class Engine:
                 f"<think> block): leave thinking unset or off", "think")
         return think
 
-    def splitter_for(self, prompt: str) -> ReasoningSplitter | None:
+    def splitter_for(self, prompt: str) -> Splitter | None:
         """The thinking/answer splitter of a reply to `prompt` (None: the model does not
-        think); the reply starts inside the thinking when the prompt opened the block."""
+        think); the reply starts inside the thinking when the prompt opened the block. A
+        harmony model (gpt-oss) gets a HarmonySplitter: its channels, not think tags."""
         if not self.thinks:
             return None
+        if self.harmony_tokens is not None:
+            return HarmonySplitter(self.harmony_tokens, prompt=prompt)
         return ReasoningSplitter(self.think_tags, opened=prompt_opens_thinking(prompt))
 
 

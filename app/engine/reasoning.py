@@ -14,13 +14,16 @@ Where the tags are single tokens of the vocabulary, only those tokens count as t
 that spells "</think>" in plain tokens while thinking about tags does not end its thinking);
 otherwise the tags are found in the text, and a partial tag split across tokens is held back
 until the next piece decides. White space between the tags and the text is dropped.
+
+gpt-oss writes OpenAI's "harmony" channels instead: `harmony.HarmonySplitter`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
+from localchat.engine.harmony import HarmonyTokens
 from localchat.errors import InvalidRequestError
 
 OPEN_TAG = "<think>"
@@ -64,9 +67,13 @@ def check_think(think: Any) -> bool | None:
 
 
 def model_thinks(template: Any, tokenizer: Any) -> bool:
-    """Whether replies may carry a think block: the template writes one, or the vocabulary
-    has the tags as tokens."""
-    return bool(getattr(template, "thinks", False)) or ThinkTags.of(tokenizer).by_id
+    """Whether replies may carry thinking: the template writes a think block, or the
+    vocabulary has the think tags or the harmony channel tokens (gpt-oss) as tokens."""
+    return (
+        bool(getattr(template, "thinks", False))
+        or ThinkTags.of(tokenizer).by_id
+        or HarmonyTokens.of(tokenizer) is not None
+    )
 
 
 class ReasoningSplitter:
@@ -183,10 +190,25 @@ class ReasoningSplitter:
         return text
 
 
+class Splitter(Protocol):
+    """What the engine asks of a reply's thinking/answer splitter."""
+
+    thinking_tokens: int
+
+    def push(self, text: str, token_id: int | None = None) -> tuple[str, str]:
+        """(thinking, answer) decided by one more piece of text and its token."""
+        ...
+
+    def finish(self) -> tuple[str, str]:
+        """(thinking, answer) held back until the reply ended."""
+        ...
+
+
 __all__ = [
     "CLOSE_TAG",
     "OPEN_TAG",
     "ReasoningSplitter",
+    "Splitter",
     "ThinkTags",
     "check_think",
     "model_thinks",

@@ -34,6 +34,8 @@ KNOWN_END_TOKENS = (
     "<|endoftext|>",
     "<end_of_turn>",
 )
+HARMONY_CHANNEL = "<|channel|>"
+HARMONY_END_TOKENS = ("<|return|>", "<|call|>")
 # The special-token names transformers passes to a chat template as variables.
 SPECIAL_TOKEN_KEYS = (
     "bos_token",
@@ -499,7 +501,10 @@ class JinjaTemplate(ConversationTemplate):
         self.variables = dict(variables or {})
         self.stop_strings = tuple(stop_strings)
         if stop_token_strings is None:
-            found = [t for t in KNOWN_END_TOKENS if t in source]
+            # OpenAI's harmony format (gpt-oss) ends each message of a turn with <|end|> (the
+            # thinking, then the answer): only <|return|> and <|call|> end the reply
+            ends = HARMONY_END_TOKENS if HARMONY_CHANNEL in source else KNOWN_END_TOKENS
+            found = [t for t in ends if t in source or ends is HARMONY_END_TOKENS]
             stop_token_strings = [self.eos_token, *found] if self.eos_token else found
         self.stop_token_strings = tuple(dict.fromkeys(stop_token_strings))
         self.stop_token_ids = ()

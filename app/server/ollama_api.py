@@ -539,8 +539,9 @@ def capabilities(path: Path, config: dict[str, Any], loaded: LoadedModel | None)
 
 
 def _think_tags_are_tokens(path: Path) -> bool:
-    """Whether the model's tokenizer.json has `<think>` and `</think>` as tokens of their own
-    (as the engine's `ThinkTags` finds them once the tokenizer is loaded)."""
+    """Whether the model's tokenizer.json has `<think>` and `</think>`, or harmony's channel
+    markers (gpt-oss), as tokens of their own (as the engine's `ThinkTags` and
+    `HarmonyTokens` find them once the tokenizer is loaded)."""
     try:
         data = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -549,7 +550,8 @@ def _think_tags_are_tokens(path: Path) -> bool:
              if isinstance(t, dict)}
     vocab = (data.get("model") or {}).get("vocab")
     vocab = vocab if isinstance(vocab, dict) else {}
-    return all(tag in added or tag in vocab for tag in ("<think>", "</think>"))
+    return any(all(tag in added or tag in vocab for tag in pair)
+               for pair in (("<think>", "</think>"), ("<|channel|>", "<|message|>")))
 
 
 @router.get("/ps")
