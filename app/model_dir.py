@@ -383,11 +383,47 @@ def library_cache_dir() -> Path:
     return cache_dir() / "libs"
 
 
+# A further library cache, read and written beside a store's own: one folder that several
+# stores (a CI machine's test runs, a lab's users) share, so a library is compiled once for all.
+SHARED_LIBRARY_CACHE_ENV = "LOCALCHAT_SHARED_LIBRARY_CACHE"
+
+
+def shared_library_cache_dir() -> Path | None:
+    """The folder `LOCALCHAT_SHARED_LIBRARY_CACHE` names, or None when unset."""
+    value = os.environ.get(SHARED_LIBRARY_CACHE_ENV, "").strip()
+    return Path(value).expanduser() if value else None
+
+
 def library_cache_dirs() -> list[Path]:
     """Every library cache a library may be found in: the store's, then the user's own (when
-    LOCALCHAT_HOME points elsewhere, e.g. at a store another user owns)."""
-    dirs = [library_cache_dir(), user_cache_dir() / "libs"]
+    LOCALCHAT_HOME points elsewhere, e.g. at a store another user owns), then the shared one."""
+    shared = shared_library_cache_dir()
+    dirs = [library_cache_dir(), user_cache_dir() / "libs", *([shared] if shared else [])]
     return [d for i, d in enumerate(dirs) if d not in dirs[:i]]
+
+
+def copy_cached_library(library: Path, folder: Path) -> Path | None:
+    """A copy of a cached `library` and its hash record in another library cache `folder` (a
+    hard link where the disk allows, then a rename); None when that folder cannot take it."""
+    dest = folder / library.name
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".lib-", suffix=dest.suffix)
+        os.close(fd)
+        try:
+            try:
+                os.unlink(tmp)
+                os.link(library, tmp)
+            except OSError:
+                shutil.copyfile(library, tmp)
+            os.replace(tmp, dest)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        write_library_record(dest)
+    except OSError:
+        return None
+    return dest
 
 
 def writable_library_cache_dir() -> Path:
@@ -470,8 +506,11 @@ def trusted_library(model_dir: Path | str, file_name: str,
         except OSError:
             pass
     for cached in caches:
-        if verified_cache_library(cached, log):
-            return cached
+        try:
+            if verified_cache_library(cached, log):
+                return cached
+        except OSError:  # a shared cache this user may not read
+            continue
     return None
 
 

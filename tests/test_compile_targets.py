@@ -18,6 +18,13 @@ from localchat.engine.models import detect_architecture
 from llama_variants import build_variant
 
 
+@pytest.fixture(autouse=True)
+def _no_shared_library_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each store compiles for itself here (these tests compile on purpose): not from the one
+    library cache conftest.py gives the other tests."""
+    monkeypatch.delenv("LOCALCHAT_SHARED_LIBRARY_CACHE", raising=False)
+
+
 def _model(quant: str):
     hf = read_hf_config(build_variant("qwen2"))
     arch = detect_architecture(hf)
@@ -49,3 +56,28 @@ def test_metal_codegen() -> None:
 
     sources = [m.inspect_source() for m in modules(ex.mod) if m.kind == "metal"]
     assert sources and "kernel void" in sources[0]
+
+
+def test_a_shared_library_cache_compiles_once_for_several_stores(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LOCALCHAT_SHARED_LIBRARY_CACHE: the first store's compile is published there, the
+    second store takes a verified copy instead of compiling, and a damaged shared copy is
+    never taken."""
+    from localchat import model_dir as md
+    from localchat.engine.device import cpu_target
+
+    shared = tmp_path / "shared"
+    monkeypatch.setenv("LOCALCHAT_SHARED_LIBRARY_CACHE", str(shared))
+    arch, cfg, mode = _model("q0f32")
+    first = compile_library(arch, cfg, mode, cpu_target(), tmp_path / "a")
+    published = shared / first.path.name
+    assert first.compiled and md.verified_cache_library(published)
+    second = compile_library(arch, cfg, mode, cpu_target(), tmp_path / "b")
+    assert second.compiled is False and second.path.parent == tmp_path / "b"
+    assert second.path.read_bytes() == first.path.read_bytes()
+    assert md.verified_cache_library(second.path)  # its own record beside it
+    published.unlink()  # a hard link to the first store's copy: damage a copy of its own
+    published.write_bytes(b"\0" * 64 + first.path.read_bytes()[64:])  # record kept: a mismatch
+    assert md.library_cache_dirs()[-1] == shared
+    third = compile_library(arch, cfg, mode, cpu_target(), tmp_path / "c")
+    assert third.compiled and md.verified_cache_library(third.path)

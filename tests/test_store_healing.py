@@ -31,6 +31,13 @@ NAME, Q4, Q0 = "tiny-llama", "q4f32_1", "q0f32"
 MANIFEST = "localchat-manifest.json"
 
 
+@pytest.fixture(autouse=True)
+def _no_shared_library_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each store compiles for itself here (a store heals by compiling what it lost), not from
+    the one library cache conftest.py gives the other tests (`localchat` below drops it too)."""
+    monkeypatch.delenv("LOCALCHAT_SHARED_LIBRARY_CACHE", raising=False)
+
+
 def localchat(home: Path, *args: str, stdin: str = "", timeout: float = 300,
               user: str | None = None, env: dict[str, str] | None = None
               ) -> subprocess.CompletedProcess[str]:

@@ -212,6 +212,11 @@ def compile_library(
     path = lib_dir / library_file_name(arch, config, mode, target)
     if md.verified_cache_library(path, log):
         return CompiledLibrary(path, compiled=False, seconds=0.0)
+    shared = md.shared_library_cache_dir()
+    if shared is not None and shared != lib_dir and _verified_quietly(shared / path.name):
+        copied = md.copy_cached_library(shared / path.name, lib_dir)
+        if copied is not None:
+            return CompiledLibrary(copied, compiled=False, seconds=0.0)
     start = time.perf_counter()
     if log:
         log(f"compiling {arch.name} ({mode.name}) for {target_key(target)}; the first compile "
@@ -219,9 +224,19 @@ def compile_library(
     write_library(lambda: export_module(arch, config, mode, target)[0], target, path)
     md.write_library_record(path)
     seconds = time.perf_counter() - start
+    if shared is not None and shared != lib_dir:
+        md.copy_cached_library(path, shared)  # best effort: the shared folder may be read-only
     if log:
         log(f"compiled {path.name} in {seconds:.1f} s")
     return CompiledLibrary(path, compiled=True, seconds=seconds)
+
+
+def _verified_quietly(library: Path) -> bool:
+    """Whether a shared cache holds `library` intact (False where it cannot be read)."""
+    try:
+        return md.verified_cache_library(library)
+    except OSError:
+        return False
 
 
 @contextmanager
