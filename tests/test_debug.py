@@ -129,6 +129,18 @@ def test_every_architecture_has_a_debug_build(variant: str) -> None:
     assert report.first_divergent_op is None
 
 
+def test_gpt_oss_debug_build_meets_its_reference() -> None:
+    """gpt-oss (sinks, windows, biased experts): no layer or operation of the debug build
+    diverges from transformers, each operation found in the reference's modules."""
+    import moe_variants
+
+    src = moe_variants.build_variant("gpt-oss")
+    report = debug_model(converted(src, "q0f32"), src, token_ids=TOKENS, ops_layer=0)
+    assert report.first_divergent_layer is None and not report.nonfinite
+    assert all(row.rel_err is not None and row.rel_err < 1e-4 for row in report.ops)
+    assert report.first_divergent_op is None
+
+
 def test_cli_json_and_errors(llama_src: Path, capsys, tmp_path: Path) -> None:
     model = str(converted(llama_src, "q0f32"))
     ids = ",".join(map(str, TOKENS[:6]))
