@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import ast
 import functools
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pytest
 import tvm
+from paged_attention_session import TWO_SEQUENCES, Layer, Session, Spec, forward_steps, rope
+from paged_attention_session import cache_in_function as _cache_in_function
 from tvm import relax
 from tvm.relax.frontend import nn
-from tvm.relax.frontend.nn import op
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode
-from tvm.runtime import ShapeTuple
 
 from localchat.engine.kernels import attention, elementwise, tvm_private
 from localchat.engine.kernels.common import SCHEDULED_ATTRS
@@ -153,20 +152,6 @@ def test_soft_cap_matches_numpy(shape: tuple[int, ...], ndim: int) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _rope(x: np.ndarray, pos: np.ndarray, theta: float, rotary_dim: int) -> np.ndarray:
-    """HF's rotary embedding (rotate half) of x [n, h, d] at positions pos [n] on the first
-    rotary_dim features (Phi-3's partial_rotary_factor), the rest passed through."""
-    # the angles in float32 as TVM's frequency function (and HF) compute them: at a position of
-    # thousands their rounding, not the kernel, would decide the comparison
-    f32 = np.float32
-    denom = np.power(f32(theta), np.arange(0, rotary_dim, 2, dtype=f32) / f32(rotary_dim))
-    ang = (pos[:, None].astype(f32) / denom[None, :]).astype(np.float64)
-    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
-    half = rotary_dim // 2
-    x1, x2, rest = x[..., :half], x[..., half:rotary_dim], x[..., rotary_dim:]
-    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
-
-
 @pytest.mark.parametrize("theta,rotary_dim", [(1e4, 32), (1e6, 24)], ids=["full", "partial"])
 @pytest.mark.parametrize("b,s", [(1, 1), (2, 9)])
 def test_rotary_qkv_matches_numpy(theta: float, rotary_dim: int, b: int, s: int) -> None:
@@ -179,7 +164,7 @@ def test_rotary_qkv_matches_numpy(theta: float, rotary_dim: int, b: int, s: int)
     func(_t(qkv), _t(pos), out)
     flat = qkv.reshape(b * s, -1, d).astype(np.float64)
     ref = flat.copy()
-    ref[:, : h_q + h_kv] = _rope(flat[:, : h_q + h_kv], pos, theta, rotary_dim)
+    ref[:, : h_q + h_kv] = rope(flat[:, : h_q + h_kv], pos, theta, rotary_dim)
     np.testing.assert_allclose(out.numpy().reshape(b * s, -1, d), ref, rtol=0, atol=2e-5)
 
 
@@ -194,8 +179,8 @@ def test_split_rotary_partial_width_matches_numpy() -> None:
     q, k, v = (_nan_like((n, h, d)) for h in (h_q, h_kv, h_kv))
     func(_t(qkv), _t(pos), q, k, v, 1)
     x = qkv.astype(np.float64)
-    np.testing.assert_allclose(q.numpy(), _rope(x[:, :h_q], pos, 1e4, rd), rtol=0, atol=2e-5)
-    np.testing.assert_allclose(k.numpy(), _rope(x[:, h_q : h_q + h_kv], pos, 1e4, rd), atol=2e-5)
+    np.testing.assert_allclose(q.numpy(), rope(x[:, :h_q], pos, 1e4, rd), rtol=0, atol=2e-5)
+    np.testing.assert_allclose(k.numpy(), rope(x[:, h_q : h_q + h_kv], pos, 1e4, rd), atol=2e-5)
     np.testing.assert_array_equal(v.numpy(), qkv[:, h_q + h_kv :])
 
 
@@ -214,190 +199,25 @@ H_Q, H_KV, D = 4, 2, 32
 WINDOW = 8  # shorter than every test sequence
 SM_SCALE = 24**-0.5  # not head_dim^-0.5: Gemma's query_pre_attn_scalar
 
-
-@dataclass(frozen=True)
-class Layer:
-    """One layer of the test model: its rope (theta, or None for none) and window."""
-
-    theta: float | None
-    rotary_dim: int = D
-    windowed: bool = False
-
-
 LAYERS = (
-    Layer(1e4),  # Llama
-    Layer(1e6, windowed=True),  # Gemma 3: local and global layers differ in theta and window
-    Layer(None, windowed=True),  # SmolLM3: a layer without rope
-    Layer(1e4, rotary_dim=24),  # Phi-4-mini: partial rotary
+    Layer(1e4, D),  # Llama
+    Layer(1e6, D, windowed=True),  # Gemma 3: local and global layers differ in theta and window
+    Layer(None, D, windowed=True),  # SmolLM3: a layer without rope
+    Layer(1e4, 24),  # Phi-4-mini: partial rotary
 )
-PAGE_SIZE = 16
-
-_kv_add = tvm.get_global_func("vm.builtin.kv_state_add_sequence")
-_kv_fork = tvm.get_global_func("vm.builtin.kv_state_fork_sequence")
-_kv_begin = tvm.get_global_func("vm.builtin.kv_state_begin_forward")
-_kv_end = tvm.get_global_func("vm.builtin.kv_state_end_forward")
 
 
-@functools.cache
-def _attention_vm(soft_cap: float) -> relax.VirtualMachine:
-    """All LAYERS on the same qkv in one cache (RopeMode.NONE: the model applies rope itself),
-    their outputs side by side: [b, s, len(LAYERS) * H_Q, D]."""
-
-    class Model(nn.Module):
-        def attn(self, qkv: nn.Tensor, cache: PagedKVCache) -> nn.Tensor:
-            b, s = qkv.shape[0], qkv.shape[1]
-            positions = cache.get_query_positions(b * s)
-            outs = []
-            for i, layer in enumerate(LAYERS):
-                x = qkv
-                if layer.theta is not None:
-                    rope = attention.rotary_qkv_cpu(
-                        layer.theta, 1.0, D, H_Q, H_KV, "float32", None, layer.rotary_dim
-                    )
-                    x = op.tensor_ir_op(
-                        rope,
-                        "rotary_qkv",
-                        args=[qkv, positions],
-                        out=nn.Tensor.placeholder(qkv.shape, qkv.dtype),
-                    )
-                scale = attention.windowed_sm_scale(SM_SCALE) if layer.windowed else SM_SCALE
-                outs.append(cache.attention_with_fused_qkv(i, x, H_Q, sm_scale=scale))
-            return op.concat(outs, dim=2)
-
-        def create_paged_kv_cache(
-            self, max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, sliding
-        ) -> PagedKVCache:
-            return attention.create_paged_kv_cache_cpu(
-                attn_kind="mha",
-                max_batch_size=max_batch_size,
-                max_total_seq_len=max_total_seq_len,
-                prefill_chunk_size=prefill_chunk_size,
-                page_size=page_size,
-                support_sliding_window=sliding,
-                layer_partition=relax.ShapeExpr([0, len(LAYERS)]),
-                num_hidden_layers=len(LAYERS),
-                num_attention_heads=H_Q,
-                num_key_value_heads=H_KV,
-                qk_head_dim=D,
-                v_head_dim=D,
-                mla_original_qk_head_dim=0,
-                mla_original_v_head_dim=0,
-                rope_mode=RopeMode.NONE,
-                rope_scale=1,
-                rope_theta=1e4,
-                rope_scaling={},
-                rope_ext_factors=relax.prim_value(0),
-                rotary_dim=D,
-                enable_disaggregation=False,
-                dtype="float32",
-                target=TARGET,
-                attn_soft_cap=soft_cap,
-                sliding_window=WINDOW,
-            )
-
-    none = {"$": {"param_mode": "none", "effect_mode": "none"}}
-    spec = {
-        "attn": {
-            "qkv": nn.spec.Tensor(["b", "s", H_Q + 2 * H_KV, D], "float32"),
-            "cache": nn.spec.Object(object_type=PagedKVCache),
-            **none,
-        },
-        "create_paged_kv_cache": {
-            "max_batch_size": int,
-            "max_total_seq_len": int,
-            "prefill_chunk_size": int,
-            "page_size": int,
-            "sliding": int,
-            **none,
-        },
-    }
-    mod, _ = Model().export_tvm(spec=spec)
-    return relax.VirtualMachine(tvm.compile(mod, target=TARGET), DEV)
-
-
-@dataclass
-class _Seq:
-    qkv: list[np.ndarray] = field(default_factory=list)  # [H, D] per token, as given
-
-
-class Session:
-    """One cache and a float64 reference of every layer on what each sequence holds."""
-
-    def __init__(self, soft_cap: float) -> None:
-        self.vm = _attention_vm(soft_cap)
-        self.soft_cap = soft_cap
-        self.cache = self.vm["create_paged_kv_cache"](
-            ShapeTuple([4]),
-            ShapeTuple([2048]),
-            ShapeTuple([256]),
-            ShapeTuple([PAGE_SIZE]),
-            ShapeTuple([0]),
-        )
-        self.seqs: dict[int, _Seq] = {}
-
-    def add(self, seq_id: int) -> None:
-        _kv_add(self.cache, seq_id)
-        self.seqs[seq_id] = _Seq()
-
-    def fork(self, parent: int, child: int) -> None:
-        _kv_fork(self.cache, parent, child, -1)
-        self.seqs[child] = _Seq(list(self.seqs[parent].qkv))
-
-    def forward(self, chunks: dict[int, np.ndarray], decode: bool = False):
-        """Append chunks[seq] (qkv [n, H, D]) to each sequence: (ours, reference) per layer,
-        each [tokens, H_Q, D]."""
-        ids = list(chunks)
-        lens = [len(chunks[i]) for i in ids]
-        if decode:
-            qkv = np.stack([chunks[i] for i in ids])  # [b, 1, H, D]
-        else:
-            qkv = np.concatenate([chunks[i] for i in ids])[None]  # [1, n, H, D]
-        _kv_begin(self.cache, ShapeTuple(ids), ShapeTuple(lens))
-        out = self.vm["attn"](_t(qkv), self.cache).numpy().astype(np.float64)
-        _kv_end(self.cache)
-        out = out.reshape(sum(lens), len(LAYERS), H_Q, D)
-        ref = np.concatenate([self._reference(i, chunks[i]) for i in ids])
-        return out, ref
-
-    def _reference(self, seq_id: int, chunk: np.ndarray) -> np.ndarray:
-        s = self.seqs[seq_id]
-        past = len(s.qkv)
-        s.qkv.extend(chunk.astype(np.float64))
-        every = np.stack(s.qkv)  # [L, H, D]
-        pos = np.arange(len(every))
-        q_pos = pos[past:]
-        group = H_Q // H_KV
-        out = np.empty((len(chunk), len(LAYERS), H_Q, D))
-        for li, layer in enumerate(LAYERS):
-            x = every
-            if layer.theta is not None:
-                x = _rope(every, pos, layer.theta, layer.rotary_dim)
-            q = x[past:, :H_Q]
-            k, v = x[:, H_Q : H_Q + H_KV], every[:, H_Q + H_KV :]
-            visible = pos[None, :] <= q_pos[:, None]
-            if layer.windowed:
-                visible &= q_pos[:, None] - pos[None, :] < WINDOW
-            for h in range(H_Q):
-                sc = q[:, h] @ k[:, h // group].T * SM_SCALE
-                if self.soft_cap:
-                    sc = self.soft_cap * np.tanh(sc / self.soft_cap)
-                sc = np.where(visible, sc, -np.inf)
-                p = np.exp(sc - sc.max(axis=1, keepdims=True))
-                out[:, li, h] = (p / p.sum(axis=1, keepdims=True)) @ v[:, h // group]
-        return out
+def _session(soft_cap: float) -> Session:
+    """All LAYERS on the same qkv in one cache (RopeMode.NONE: the model applies rope itself)."""
+    spec = Spec(
+        H_Q, H_KV, D, LAYERS, SM_SCALE, shared_qkv=True, soft_cap=soft_cap, window=WINDOW
+    )
+    return Session(spec, max_total_seq_len=2048)
 
 
 def _run(session: Session, steps, seed: int) -> None:
     rng = np.random.default_rng(seed)
-    for step in steps:
-        if step[0] == "add":
-            session.add(step[1])
-            continue
-        if step[0] == "fork":
-            session.fork(step[1], step[2])
-            continue
-        decode = step[0] == "decode"
-        lens = {i: 1 for i in step[1]} if decode else step[1]
+    for step, lens, decode in forward_steps([session], steps):
         # large values: scores well past the soft-cap, and far-apart softmax weights
         chunks = {
             i: rng.uniform(-3, 3, (n, H_Q + 2 * H_KV, D)).astype(np.float32)
@@ -417,16 +237,8 @@ def test_batch_of_two_lengths_prefill_and_decode(soft_cap: float) -> None:
     """Two sequences longer than the window: one prefill each (the window inside the chunk),
     batched decodes, then a chunk after cached pages (the window across the paged and ragged
     parts)."""
-    steps = [
-        ("add", 0),
-        ("add", 1),
-        ("prefill", {0: 13, 1: 21}),
-        ("decode", [0, 1]),
-        ("decode", [1, 0]),
-        ("prefill", {1: 5, 0: 11}),
-        ("decode", [0, 1]),
-    ]
-    _run(Session(soft_cap), steps, seed=1)
+    steps = [*TWO_SEQUENCES, ("prefill", {1: 5, 0: 11}), ("decode", [0, 1])]
+    _run(_session(soft_cap), steps, seed=1)
 
 
 @pytest.mark.parametrize("soft_cap", SOFT_CAPS, ids=["no-cap", "cap"])
@@ -434,7 +246,7 @@ def test_long_sequence_skips_keys_outside_the_window(soft_cap: float) -> None:
     """Chunks longer than a key block (64) and decode past several splits: windowed layers skip
     whole blocks and splits, the others read every key."""
     steps = [("add", 0), ("prefill", {0: 150}), ("prefill", {0: 70})] + [("decode", [0])] * 3
-    _run(Session(soft_cap), steps, seed=2)
+    _run(_session(soft_cap), steps, seed=2)
 
 
 def test_window_over_forked_sequences() -> None:
@@ -450,40 +262,7 @@ def test_window_over_forked_sequences() -> None:
         ("decode", [2, 0, 1]),
         ("prefill", {2: 9}),
     ]
-    _run(Session(2.0), steps, seed=3)
-
-
-def _cache_in_function(**overrides):
-    args = dict(
-        attn_kind="mha",
-        max_batch_size=1,
-        max_total_seq_len=64,
-        prefill_chunk_size=16,
-        page_size=16,
-        support_sliding_window=0,
-        layer_partition=relax.ShapeExpr([0, 2]),
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        qk_head_dim=16,
-        v_head_dim=16,
-        mla_original_qk_head_dim=0,
-        mla_original_v_head_dim=0,
-        rope_mode=RopeMode.NORMAL,
-        rope_scale=1,
-        rope_theta=1e4,
-        rope_scaling={},
-        rope_ext_factors=relax.prim_value(0),
-        rotary_dim=16,
-        enable_disaggregation=False,
-        dtype="float32",
-        target=TARGET,
-    )
-    args.update(overrides)
-    bb = relax.BlockBuilder()
-    with bb.function("f", []):
-        attention.create_paged_kv_cache_cpu(**args)
-        bb.emit_func_output(relax.const(0))
+    _run(_session(2.0), steps, seed=3)
 
 
 def test_cache_options_that_cannot_be_honoured_are_refused() -> None:
