@@ -94,3 +94,28 @@ def build_variant(name: str) -> Path:
         shutil.rmtree(out)
     tmp.rename(out)
     return out
+
+
+def write_gguf_header(writer: Any, cfg: dict[str, Any]) -> None:
+    """A GGUF writer's common metadata for a tiny model of config.json `cfg`: the block's
+    sizes, rope base and norm epsilon, and a GPT-2 byte-level vocabulary (the 256 byte symbols
+    then filler tokens up to vocab_size, no merges; bos 1, eos 2)."""
+    from localchat.engine.build import gguf as lg
+
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    n = cfg["vocab_size"]
+    alphabet = list(lg.bytes_to_unicode().values())
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(alphabet[:n] + [f"t{i}" for i in range(n - len(alphabet))])
+    writer.add_token_types([1] * n)
+    writer.add_token_merges([])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)

@@ -292,14 +292,7 @@ def _write_gguf(variant: str, path: Path) -> Path:
     names = gguf.get_tensor_name_map(
         next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), layers)
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(layers)
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    moe_variants.write_gguf_header(w, cfg)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
@@ -307,15 +300,6 @@ def _write_gguf(variant: str, path: Path) -> Path:
     w.add_expert_used_count(cfg["num_experts_per_tok"])
     if "moe_intermediate_size" in cfg:
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-    alphabet = list(lg.bytes_to_unicode().values())
-    n = cfg["vocab_size"]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(alphabet[:n] + [f"t{i}" for i in range(n - len(alphabet))])
-    w.add_token_types([1] * n)
-    w.add_token_merges([])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
     tensors = load_file(folder / "model.safetensors")
     for hf_name, value in tensors.items():
         if ".experts." in hf_name:
