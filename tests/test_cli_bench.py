@@ -115,9 +115,12 @@ def test_bad_options_are_one_error_line(model_dir: str, args: list[str], flag: s
 
 
 def test_ctrl_c_stops_it_with_one_line(model_dir: str) -> None:
+    # SIGINT at its default in the child: a shell starts background jobs with it ignored,
+    # which Python then keeps (a suite run with `&` would see Ctrl+C do nothing)
     proc = subprocess.Popen([LOCALCHAT, "bench", model_dir, "--prompt-tokens", "16",
                              "--gen-tokens", "480", "--batch", "1,2,4,8,16,32,64"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.stderr is not None
     seen = []
     for line in proc.stderr:  # wait until it decodes
