@@ -408,18 +408,7 @@ def copy_cached_library(library: Path, folder: Path) -> Path | None:
     dest = folder / library.name
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".lib-", suffix=dest.suffix)
-        os.close(fd)
-        try:
-            try:
-                os.unlink(tmp)
-                os.link(library, tmp)
-            except OSError:
-                shutil.copyfile(library, tmp)
-            os.replace(tmp, dest)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        _place_library(library, dest)
         write_library_record(dest)
     except OSError:
         return None
@@ -471,7 +460,10 @@ def _matches(path: Path, record: dict[str, Any] | None) -> bool:
 def verified_cache_library(path: Path, log: Callable[[str], None] | None = None) -> bool:
     """Whether a library in a cache matches its record; one that does not is deleted (when
     this user may) so that it is compiled again."""
-    if not path.is_file():
+    try:
+        if not path.is_file():
+            return False
+    except OSError:  # a shared cache this user may not read
         return False
     if _matches(path, read_library_record(path)):
         return True
@@ -506,11 +498,8 @@ def trusted_library(model_dir: Path | str, file_name: str,
         except OSError:
             pass
     for cached in caches:
-        try:
-            if verified_cache_library(cached, log):
-                return cached
-        except OSError:  # a shared cache this user may not read
-            continue
+        if verified_cache_library(cached, log):
+            return cached
     return None
 
 
@@ -552,6 +541,23 @@ def find_library(model_dir: Path | str, file_name: str) -> Path | None:
     return None
 
 
+def _place_library(library: Path, dest: Path) -> None:
+    """`library` at `dest`: a hard link, else a copy, then a rename (never half-written)."""
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".lib-", suffix=dest.suffix)
+    os.close(fd)
+    try:
+        try:  # the caches and the store usually share a disk: no second copy
+            os.unlink(tmp)
+            os.link(library, tmp)
+        except OSError:
+            shutil.copyfile(library, tmp)
+            os.chmod(tmp, FILE_MODE)
+        os.replace(tmp, dest)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def install_library(model_dir: Path | str, library: Path | str, file_name: str | None = None,
                     ) -> Path:
     """Put `library` at `model_dir/lib/<file_name>` (a hard link or a copy, then a rename) and
@@ -562,19 +568,7 @@ def install_library(model_dir: Path | str, library: Path | str, file_name: str |
     lib_dir.mkdir(mode=DIR_MODE, exist_ok=True)
     dest = lib_dir / (file_name or library.name)
     if not (dest.exists() and library.resolve() == dest.resolve()):
-        fd, tmp = tempfile.mkstemp(dir=lib_dir, prefix=".lib-", suffix=dest.suffix)
-        os.close(fd)
-        try:
-            try:  # the library cache and the store usually share a disk: no second copy
-                os.unlink(tmp)
-                os.link(library, tmp)
-            except OSError:
-                shutil.copyfile(library, tmp)
-                os.chmod(tmp, FILE_MODE)
-            os.replace(tmp, dest)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        _place_library(library, dest)
     _update_manifest(model_dir, f"{LIB_DIR}/{dest.name}", file_record(dest))
     return dest
 

@@ -503,8 +503,8 @@ class JinjaTemplate(ConversationTemplate):
         if stop_token_strings is None:
             # OpenAI's harmony format (gpt-oss) ends each message of a turn with <|end|> (the
             # thinking, then the answer): only <|return|> and <|call|> end the reply
-            ends = HARMONY_END_TOKENS if HARMONY_CHANNEL in source else KNOWN_END_TOKENS
-            found = [t for t in ends if t in source or ends is HARMONY_END_TOKENS]
+            found = (list(HARMONY_END_TOKENS) if HARMONY_CHANNEL in source
+                     else [t for t in KNOWN_END_TOKENS if t in source])
             stop_token_strings = [self.eos_token, *found] if self.eos_token else found
         self.stop_token_strings = tuple(dict.fromkeys(stop_token_strings))
         self.stop_token_ids = ()

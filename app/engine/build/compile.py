@@ -213,7 +213,7 @@ def compile_library(
     if md.verified_cache_library(path, log):
         return CompiledLibrary(path, compiled=False, seconds=0.0)
     shared = md.shared_library_cache_dir()
-    if shared is not None and shared != lib_dir and _verified_quietly(shared / path.name):
+    if shared is not None and shared != lib_dir and md.verified_cache_library(shared / path.name):
         copied = md.copy_cached_library(shared / path.name, lib_dir)
         if copied is not None:
             return CompiledLibrary(copied, compiled=False, seconds=0.0)
@@ -229,14 +229,6 @@ def compile_library(
     if log:
         log(f"compiled {path.name} in {seconds:.1f} s")
     return CompiledLibrary(path, compiled=True, seconds=seconds)
-
-
-def _verified_quietly(library: Path) -> bool:
-    """Whether a shared cache holds `library` intact (False where it cannot be read)."""
-    try:
-        return md.verified_cache_library(library)
-    except OSError:
-        return False
 
 
 @contextmanager
