@@ -340,6 +340,41 @@ def test_expr_helpers_reach_tvms_private_attribute() -> None:
         tvm_private.expr_of(object())
 
 
+def test_macros_expand_through_the_frame_walk_lookup() -> None:
+    """Importing the kernels replaces TVM's macro lookup (getouterframes, ~0.1 s a call under
+    pytest); nested macros, expanded many frames deep, still find their parser and parse."""
+    from tvm.script import tirx as T
+    from tvm.script.parser.core.parser import ScriptMacro
+
+    assert ScriptMacro._find_parser_def is tvm_private._find_parser_by_frames
+
+    @T.macro
+    def inner(y, i):
+        y[i] = y[i] + T.float32(1)
+
+    @T.macro
+    def outer(y, i):
+        inner(y, i)
+        inner(y, i)
+
+    def build(depth: int):
+        if depth:
+            return build(depth - 1)
+
+        @T.prim_func(private=True)
+        def func(y: T.Buffer((4,), "float32")):
+            for i in range(4):
+                outer(y, i)
+
+        return func
+
+    func = build(60)
+    target = tvm.target.Target("llvm")
+    y = tvm.runtime.tensor(np.zeros(4, "float32"))
+    tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target)["main"](y)
+    np.testing.assert_array_equal(y.numpy(), np.full(4, 2, "float32"))
+
+
 def _private_tvm_uses(path: Path) -> list[str]:
     """`from tvm... import _x`, `import tvm..._x` and `<tvm module>._x` in one source file."""
     tree = ast.parse(path.read_text(encoding="utf-8"))

@@ -12,3 +12,8 @@
 - `tvm_private`: every private (underscore) TVM name localchat uses, checked against the TVM
   version they were read against.
 """
+
+from localchat.engine.kernels import tvm_private
+
+# before any kernel is parsed: TVM's own macro lookup is most of a 4-bit GEMV's parse time
+tvm_private.install_fast_macro_lookup()
