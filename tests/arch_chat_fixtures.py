@@ -21,7 +21,7 @@ from typing import Any
 
 from reasoning_fixtures import TEMPLATE_FILE, _corpus
 
-from fixtures import _engine_digest, cache_dir
+from fixtures import _engine_digest, cache_dir, one_builder_at_a_time
 from llama_variants import build_variant
 
 ARCHS = ["qwen3-odd", "gemma2-odd", "gemma3-odd", "olmo2-odd", "smollm3-odd", "phi3-odd"]
@@ -59,6 +59,7 @@ def _prompts() -> list[str]:
     return texts
 
 
+@one_builder_at_a_time
 def chat_tokenizer_json() -> str:
     """The tokenizer (its tokenizer.json text), trained once into the test cache."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -95,6 +96,7 @@ def chat_tokenizer_json() -> str:
     return text
 
 
+@one_builder_at_a_time
 def chat_source(arch: str) -> Path:
     """The HF folder: `arch`'s odd variant (its weights linked) with the chat tokenizer and
     Qwen3's template; config.json unchanged but for the end-of-turn token."""
@@ -124,6 +126,7 @@ def chat_source(arch: str) -> Path:
     return out
 
 
+@one_builder_at_a_time
 def chat_model(arch: str) -> Path:
     """`arch`'s chat model at q0f32 with its library in place (the odd-shapes test's library:
     the model config is the same, so the compiled library is shared through the cache)."""

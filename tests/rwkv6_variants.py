@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from fixtures import cache_dir, rwkv_package_dir
+from fixtures import cache_dir, one_builder_at_a_time, rwkv_package_dir
 
 # One shape for every test, so the file compiles few libraries: the World vocabulary's size (the
 # World tokenizer and template work end to end) over odd-ish small dimensions.
@@ -97,6 +97,7 @@ def _state_dict(cfg: dict[str, Any], seed: int) -> dict[str, Any]:
     return {k: v.to(torch.bfloat16).contiguous() for k, v in sd.items()}
 
 
+@one_builder_at_a_time
 def build_variant(name: str) -> Path:
     """The folder holding `model.pth`, a tiny random RWKV-6 of variant `name` (seeded, so stable
     across runs)."""
@@ -140,6 +141,7 @@ np.savez(out, logits=np.stack(rows), tokens=np.array(tokens))
 """
 
 
+@one_builder_at_a_time
 def reference_greedy(pth: Path, prompt: list[int], steps: int) -> tuple[list[int], np.ndarray]:
     """The `rwkv` package's RWKV-6 (generic `RWKV`, cpu fp32) greedy continuation of `prompt`
     (state carried between calls) and the logits before each generated token; cached."""

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from fixtures import cache_dir, rwkv_package_dir
+from fixtures import cache_dir, one_builder_at_a_time, rwkv_package_dir
 
 BASE: dict[str, Any] = {
     "vocab_size": 1001,
@@ -96,6 +96,7 @@ def _state_dict(cfg: dict[str, Any], seed: int) -> dict[str, Any]:
     return {k: v.to(torch.bfloat16).contiguous() for k, v in sd.items()}
 
 
+@one_builder_at_a_time
 def build_variant(name: str) -> Path:
     """The folder holding `model.pth`, a tiny random RWKV-7 of variant `name` (seeded, so stable
     across runs)."""
@@ -131,6 +132,7 @@ np.savez(out, logits=np.stack(rows), tokens=np.array(tokens))
 """
 
 
+@one_builder_at_a_time
 def reference_greedy(pth: Path, prompt: list[int], steps: int) -> tuple[list[int], np.ndarray]:
     """The `rwkv` package's RWKV-7 (`RWKV_V7_ON=1`, cpu fp32) greedy continuation of `prompt`
     (state carried between calls) and the logits before each generated token; cached."""

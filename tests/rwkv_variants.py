@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from fixtures import cache_dir, rwkv_package_dir
+from fixtures import cache_dir, one_builder_at_a_time, rwkv_package_dir
 
 WORLD_VOCAB = "rwkv_vocab_v20230424.txt"
 
@@ -110,6 +110,7 @@ def _init_like_trained(model, seed: int) -> None:
         model.head.weight[perm] = model.rwkv.embeddings.weight
 
 
+@one_builder_at_a_time
 def build_variant(name: str) -> Path:
     """Save a random RWKV-4 of variant `name` (seeded, so stable across runs) and return it.
 

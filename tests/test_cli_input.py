@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from fixtures import cache_dir
+from fixtures import keep_libraries, seed_libraries
 from hub_server import tiny_llama_folder
 
 
@@ -33,19 +32,13 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     cfg = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 1024}))
     home = root / "home"
-    kept = cache_dir() / "libs"
-    kept.mkdir(exist_ok=True)
     libs = home / "cache" / "libs"
     libs.mkdir(parents=True)
-    for lib in kept.glob("*.so*"):
-        shutil.copy2(lib, libs / lib.name)
+    seed_libraries(libs)
     out = root / "tiny"
     proc = localchat(home, "convert", str(src), "--quant", "q4f32_1", "--output", str(out))
     assert proc.returncode == 0, proc.stderr.decode()
-    for lib in libs.glob("*.so*"):
-        if not (kept / lib.name).exists():
-            shutil.copy2(lib, kept / f".{lib.name}.part")
-            os.replace(kept / f".{lib.name}.part", kept / lib.name)
+    keep_libraries(libs)
     return home, out
 
 

@@ -25,7 +25,7 @@ from localchat.engine.models.gpt_oss import FP4_VALUES, dequantize_mxfp4
 from localchat.engine.runtime import Model
 
 import moe_variants
-from fixtures import cache_dir, converted
+from fixtures import cache_dir, converted, one_builder_at_a_time
 from model_oracle import batched_and_alone, rel_err, run_greedy, run_teacher_forced
 
 PROMPT = [int(t) for t in np.random.RandomState(6).randint(3, 300, 12)]
@@ -157,6 +157,7 @@ def _to_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 @cache
+@one_builder_at_a_time
 def mxfp4_checkpoint() -> Path:
     """A tiny gpt-oss (widths multiples of 32) as OpenAI publishes gpt-oss: experts in MXFP4
     ([E, out, in] blocks and scales), everything else as it was; in the test cache."""

@@ -15,11 +15,10 @@ import pytest
 import torch
 
 from localchat.engine.models.rwkv4 import state_bytes
-from localchat.engine.models.rwkv4_pth import prepare_pth_source
 from localchat.engine.runtime import Model
 
-from fixtures import cache_dir, rwkv_package_dir
 from fixtures import converted as _converted
+from fixtures import pth_folder, rwkv_package_dir
 from model_oracle import (
     batched_and_alone,
     cuda_sources,
@@ -154,7 +153,7 @@ def test_blinkdl_pth_matches_rwkv_package(q0f32_dir: Path) -> None:
     src = build_variant("rwkv4")
     pth = src / "blink" / "model.pth"
     ref_tokens, ref_logits = blink_greedy(pth, PROMPT, STEPS)
-    folder = prepare_pth_source(pth, cache_dir() / "variants" / f"{src.name}-pth", rescale_every=0)
+    folder = pth_folder(pth, "pth", rescale_every=0)
     out = converted(folder, "q0f32")
     # Same config as the HF-converted model, so the same compiled library serves it.
     if (q0f32_dir / "lib").is_dir():

@@ -21,7 +21,7 @@ from localchat.engine.models.rwkv6 import Rwkv6Config, state_bytes
 from localchat.engine.runtime import Model
 from localchat.errors import UnsupportedModelError
 
-from fixtures import cache_dir, converted, rwkv_package_dir
+from fixtures import converted, pth_folder, rwkv_package_dir
 from model_oracle import (
     batched_and_alone,
     cuda_sources,
@@ -38,9 +38,8 @@ MIXED = "Hello 世界! Привет, мир. こんにちは 🌍 — café"
 
 
 def source_folder(variant: str) -> Path:
-    """The converter folder of a variant's `.pth` (made once, in the test cache)."""
-    pth = build_variant(variant) / "model.pth"
-    return prepare_pth_source(pth, cache_dir() / "variants" / f"{pth.parent.name}-folder")
+    """The converter folder of a variant's `.pth`, in the test cache."""
+    return pth_folder(build_variant(variant) / "model.pth")
 
 
 @pytest.fixture(scope="module")

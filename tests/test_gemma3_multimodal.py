@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fixtures import _engine_digest, cache_dir
+from fixtures import _engine_digest, cache_dir, one_builder_at_a_time
 from model_oracle import rel_err, run_greedy, run_teacher_forced
 
 TEXT = {  # gemma3-odd's text model: odd shapes, a window shorter than prompt + reply
@@ -49,6 +49,7 @@ LAYOUTS = {"published": ("language_model.model.", "vision_tower."),
 
 
 @cache
+@one_builder_at_a_time
 def source() -> Path:
     """A tiny random Gemma3ForConditionalGeneration, its norms moved off their initial 0."""
     import transformers
@@ -75,6 +76,7 @@ def source() -> Path:
     return out
 
 
+@one_builder_at_a_time
 def relayout(layout: str) -> Path:
     """The checkpoint with its tensors renamed to `layout` (the same values)."""
     from safetensors.numpy import load_file, save_file
@@ -102,6 +104,7 @@ def relayout(layout: str) -> Path:
 
 
 @cache
+@one_builder_at_a_time
 def converted_layout(layout: str) -> Path:
     from localchat.engine.build.convert import convert_model
 

@@ -10,7 +10,6 @@ import hashlib
 import io
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,15 @@ from localchat.engine.models.llama import (
 )
 from localchat.errors import ModelConfigError, UnsupportedModelError
 
-from fixtures import cache_dir, converted, smollm2_gguf, smollm2_hf_dir
+from fixtures import (
+    build_lock,
+    cache_dir,
+    converted,
+    keep_libraries,
+    seed_libraries,
+    smollm2_gguf,
+    smollm2_hf_dir,
+)
 from hub_server import tiny_llama_folder
 
 ENGINE = Path(__file__).resolve().parent.parent / "app" / "engine"
@@ -68,10 +75,11 @@ def imported(gguf_path: Path) -> Path:
     (the reader and the Llama module's GGUF map)."""
     sources = (ENGINE / "build" / "gguf.py", ENGINE / "models" / "llama.py")
     out = cache_dir() / f"smollm2-gguf-import-{_digest(*sources)}"
-    if not (out / "config.json").exists():
-        tmp = Path(tempfile.mkdtemp(dir=cache_dir(), prefix=".gguf-import-"))
-        lg.gguf_to_hf_folder(gguf_path, tmp)
-        tmp.rename(out)
+    with build_lock(out.name):
+        if not (out / "config.json").exists():
+            tmp = Path(tempfile.mkdtemp(dir=cache_dir(), prefix=".gguf-import-"))
+            lg.gguf_to_hf_folder(gguf_path, tmp)
+            tmp.rename(out)
     return out
 
 
@@ -454,13 +462,10 @@ def test_each_gguf_architecture_of_the_registry_has_its_map(tmp_path: Path) -> N
 def test_pull_gguf_file_then_chat_through_the_cli(gguf_path: Path, tmp_path: Path) -> None:
     """`localchat pull ./file.gguf` imports, re-quantizes to q4f32_1, compiles; `run` chats."""
     home = tmp_path / "home"
-    libs, kept = home / "cache" / "libs", cache_dir() / "libs"
-    libs.mkdir(parents=True)
-    kept.mkdir(exist_ok=True)
+    libs = home / "cache" / "libs"
     # A library is named by the hash of (config, quantization, target, TVM, kernels), so one
     # kept from an earlier run is exactly what compiling would produce: compile once per machine.
-    for lib in kept.glob("*.so"):
-        shutil.copy2(lib, libs / lib.name)
+    seed_libraries(libs)
     env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HF_HUB_OFFLINE")}
     env.update(LOCALCHAT_HOME=str(home), HF_ENDPOINT="http://127.0.0.1:9",
                LOCALCHAT_DISK_RESERVE="0", PIP_NO_INDEX="1")
@@ -472,10 +477,7 @@ def test_pull_gguf_file_then_chat_through_the_cli(gguf_path: Path, tmp_path: Pat
         return proc
 
     pulled = cli("pull", str(gguf_path), "--quant", "q4f32_1")
-    for lib in libs.glob("*.so"):
-        if not (kept / lib.name).exists():
-            shutil.copy2(lib, kept / f".{lib.name}.part")
-            os.replace(kept / f".{lib.name}.part", kept / lib.name)
+    keep_libraries(libs)
     name = gguf_path.stem.lower()
     assert pulled.stdout.startswith(f"pulled {name}:q4f32_1: ") and "(from local)" in pulled.stdout
     shown = json.loads(cli("show", name, "--json").stdout)

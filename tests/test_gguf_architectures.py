@@ -28,7 +28,7 @@ from localchat.engine.build import gguf as lg
 from localchat.errors import UnsupportedModelError
 
 import llama_variants
-from fixtures import cache_dir, converted
+from fixtures import cache_dir, converted, one_builder_at_a_time
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "app" / "engine" / "models"
@@ -62,6 +62,7 @@ def _digest(*parts: bytes) -> str:
 
 
 @cache
+@one_builder_at_a_time
 def source(name: str) -> Path:
     """The HF folder of case `name`: the odd variant itself, or it with the case's changes
     (saved once in the test cache, seeded as the variants are)."""
@@ -199,6 +200,7 @@ def write_gguf(name: str, path: Path) -> Path:
 
 
 @cache
+@one_builder_at_a_time
 def imported(name: str) -> Path:
     """The HF folder imported from case `name`'s GGUF, cached by the sources that shape it."""
     sources = [ROOT / "app/engine/build/gguf.py", MODELS / "llama.py", MODELS / "__init__.py",

@@ -30,7 +30,7 @@ from localchat.engine.models import detect_architecture
 from localchat.engine.runtime import Model
 
 import moe_variants
-from fixtures import cache_dir, converted
+from fixtures import cache_dir, converted, one_builder_at_a_time
 from model_oracle import rel_err, run_greedy, run_teacher_forced
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,6 +116,7 @@ def write_gguf(path: Path, fused: bool = False) -> tuple[Path, dict[str, np.ndar
 
 
 @cache
+@one_builder_at_a_time
 def imported() -> Path:
     """The HF folder imported from the GGUF, cached by the sources that shape it (so that its
     converted model is too)."""

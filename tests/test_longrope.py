@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from fixtures import _engine_digest, cache_dir
+from fixtures import _engine_digest, cache_dir, one_builder_at_a_time
 from model_oracle import rel_err, run_greedy, run_teacher_forced
 
 ORIGINAL = 16
@@ -45,6 +45,7 @@ STEPS = 8
 
 
 @cache
+@one_builder_at_a_time
 def source() -> Path:
     """The saved random Phi-3 (seeded; rebuilt only when transformers or the config change)."""
     import transformers
@@ -68,6 +69,7 @@ def source() -> Path:
 
 
 @cache
+@one_builder_at_a_time
 def ours():
     """Our q0f32 build of it, converted for a WINDOW-token context."""
     from localchat.engine.build.convert import convert_model

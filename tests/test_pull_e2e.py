@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from fixtures import cache_dir
+from fixtures import cache_dir, keep_libraries, seed_libraries
 from hub_server import HubServer, folder_files, tiny_llama_folder, tiny_rwkv_folder, with_decoys
 
 LLAMA_NAME, LLAMA_REPO = "smollm2-135m-instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -63,17 +62,11 @@ def home(tmp_path: Path) -> Iterator[Path]:
     compiles, later runs reuse it (and a pull still installs it under the canonical name).
     """
     home = tmp_path / "home"
-    kept = cache_dir() / "libs"
-    kept.mkdir(exist_ok=True)
     libs = home / "cache" / "libs"
     libs.mkdir(parents=True)
-    for lib in kept.glob("*.so*"):  # with their sha256 records
-        shutil.copy2(lib, libs / lib.name)
+    seed_libraries(libs)
     yield home
-    for lib in libs.glob("*.so*"):
-        if not (kept / lib.name).exists():
-            shutil.copy2(lib, kept / f".{lib.name}.part")
-            os.replace(kept / f".{lib.name}.part", kept / lib.name)
+    keep_libraries(libs)
 
 
 def localchat(home: Path, hub: HubServer | Any, *args: str, stdin: str = "", timeout: float = 600,

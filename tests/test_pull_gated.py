@@ -12,7 +12,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures import cache_dir
+from fixtures import keep_libraries, seed_libraries
 from hub_server import HubServer, folder_files, tiny_llama_folder
 
 NAME, REPO = "llama-3.1-8b-instruct", "meta-llama/Llama-3.1-8B-Instruct"  # a gated recipe
@@ -46,17 +45,11 @@ def home(tmp_path: Path) -> Iterator[Path]:
     """A fresh LOCALCHAT_HOME whose compiled libraries are shared across test runs (a library
     is named by the hash of all that shapes it: a kept one is what compiling would give)."""
     home = tmp_path / "home"
-    kept = cache_dir() / "libs"
-    kept.mkdir(exist_ok=True)
     libs = home / "cache" / "libs"
     libs.mkdir(parents=True)
-    for lib in kept.glob("*.so*"):
-        shutil.copy2(lib, libs / lib.name)
+    seed_libraries(libs)
     yield home
-    for lib in libs.glob("*.so*"):
-        if not (kept / lib.name).exists():
-            shutil.copy2(lib, kept / f".{lib.name}.part")
-            os.replace(kept / f".{lib.name}.part", kept / lib.name)
+    keep_libraries(libs)
 
 
 def environment(home: Path, hub: HubServer, **extra: str) -> dict[str, str]:

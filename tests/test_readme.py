@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures import cache_dir, smollm2_gguf, smollm2_hf_dir
+from fixtures import cache_dir, keep_libraries, seed_libraries, smollm2_gguf, smollm2_hf_dir
 from tmux_driver import Tmux
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -226,18 +226,12 @@ def readme_run(tmp_path: Path) -> Iterator[ReadmeRun]:
     (work / "SmolLM2-135M-Instruct").symlink_to(smollm2_hf_dir())
     (work / "SmolLM2-135M-Instruct.Q4_1.gguf").symlink_to(smollm2_gguf())
     home = tmp_path / "home"
-    kept = cache_dir() / "libs"
-    kept.mkdir(exist_ok=True)
     (home / "cache" / "libs").mkdir(parents=True)
-    for lib in kept.glob("*.so*"):
-        shutil.copy2(lib, home / "cache" / "libs" / lib.name)
+    seed_libraries(home / "cache" / "libs")
     runner = ReadmeRun(work, home)
     yield runner
     runner.close()
-    for lib in (home / "cache" / "libs").glob("*.so*"):
-        if not (kept / lib.name).exists():
-            shutil.copy2(lib, kept / f".{lib.name}.part")
-            os.replace(kept / f".{lib.name}.part", kept / lib.name)
+    keep_libraries(home / "cache" / "libs")
 
 
 def test_every_readme_command_has_a_check() -> None:

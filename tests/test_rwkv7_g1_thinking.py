@@ -12,11 +12,10 @@ import pytest
 from reasoning_fixtures import think_grammar
 
 from localchat import Engine
-from localchat.engine.models.rwkv4_pth import prepare_pth_source
 from localchat.engine.templates import builtin_template
 from localchat.recipes import all_recipes
 
-from fixtures import cache_dir, converted
+from fixtures import converted, pth_folder
 from rwkv7_variants import build_variant
 
 HI = [{"role": "user", "content": "Why is the sky blue?"}]
@@ -25,7 +24,7 @@ HI = [{"role": "user", "content": "Why is the sky blue?"}]
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Engine]:
     pth = build_variant("rwkv7-world") / "model.pth"
-    folder = prepare_pth_source(pth, cache_dir() / "variants" / f"{pth.parent.name}-folder")
+    folder = pth_folder(pth)
     with Engine.open(converted(folder, "q0f32"), device="cpu", template="rwkv_world_think",
                      options={"temperature": 0.0, "max_tokens": 40}) as engine:
         yield engine

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures import cache_dir
+from fixtures import keep_libraries, seed_libraries
 from hub_server import tiny_llama_folder
 
 NAME, Q4, Q0 = "tiny-llama", "q4f32_1", "q0f32"
@@ -83,18 +83,12 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def template_home(tmp_path_factory: pytest.TempPathFactory, source: Path) -> Path:
     """A store holding tiny-llama in two quantizations, compiled (libraries kept across runs)."""
     home = tmp_path_factory.mktemp("template") / "home"
-    kept = cache_dir() / "libs"
-    kept.mkdir(exist_ok=True)
     libs = home / "cache" / "libs"
     libs.mkdir(parents=True)
-    for lib in kept.glob("*.so*"):
-        shutil.copy2(lib, libs / lib.name)
+    seed_libraries(libs)
     for quant in (Q4, Q0):
         ok(localchat(home, "pull", str(source), "--quant", quant))
-    for lib in libs.glob("*.so*"):
-        if not (kept / lib.name).exists():
-            shutil.copy2(lib, kept / f".{lib.name}.part")
-            os.replace(kept / f".{lib.name}.part", kept / lib.name)
+    keep_libraries(libs)
     return home
 
 

@@ -92,6 +92,7 @@ CONVERSATIONS = {
 }
 
 
+@fixtures.one_builder_at_a_time
 def _llama_cpp_sdist() -> Path:
     wheels = fixtures.cache_dir() / "wheels"
     name = LLAMA_CPP_SDIST.replace("-", "_").replace("==", "-") + ".tar.gz"
@@ -105,6 +106,7 @@ def _llama_cpp_sdist() -> Path:
     return wheels / name
 
 
+@fixtures.one_builder_at_a_time
 def _real_templates() -> dict[str, str]:
     """Chat template sources by our name, extracted once from the llama-cpp-python sdist."""
     out = fixtures.cache_dir() / "chat-templates.json"

@@ -9,8 +9,6 @@ shared with tests/test_pull_e2e.py's (a kept library is exactly what compiling w
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import Iterator
 
 import httpx
@@ -18,7 +16,7 @@ import ollama
 import pytest
 from serve_helpers import Server, start_server, stop_server
 
-from fixtures import cache_dir
+from fixtures import keep_libraries, seed_libraries
 from hub_server import HubServer, folder_files, tiny_llama_folder
 
 NAME, REPO, QUANT = "smollm2-135m-instruct", "HuggingFaceTB/SmolLM2-135M-Instruct", "q4f32_1"
@@ -36,12 +34,9 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HubServer]:
 def pull_server(hub: HubServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """A server over an empty store, its compile cache seeded from the tests' kept libraries."""
     home = tmp_path_factory.mktemp("pull-serve") / "home"
-    kept = cache_dir() / "libs"
-    kept.mkdir(exist_ok=True)
     libs = home / "cache" / "libs"
     libs.mkdir(parents=True)
-    for lib in kept.glob("*.so*"):  # with their sha256 records
-        shutil.copy2(lib, libs / lib.name)
+    seed_libraries(libs)
     env: dict[str, str | None] = {
         "HF_ENDPOINT": hub.url, "LOCALCHAT_DISK_RESERVE": "0", "PIP_NO_INDEX": "1",
         "HF_TOKEN": None, "HF_HUB_OFFLINE": None, "TRANSFORMERS_OFFLINE": None,
@@ -50,10 +45,7 @@ def pull_server(hub: HubServer, tmp_path_factory: pytest.TempPathFactory) -> Ite
     srv = start_server(home, log, env=env)
     yield srv
     stop_server(srv)
-    for lib in libs.glob("*.so*"):  # a library compiled here is kept for the next run
-        if not (kept / lib.name).exists():
-            shutil.copy2(lib, kept / f".{lib.name}.part")
-            os.replace(kept / f".{lib.name}.part", kept / lib.name)
+    keep_libraries(libs)
 
 
 def test_ollama_client_pulls_through_the_server(pull_server: Server, hub: HubServer) -> None:

@@ -14,8 +14,6 @@ with the other pull tests' cache (a kept library is exactly what compiling would
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -33,7 +31,7 @@ from localchat.tui.remote import RemoteBackend
 from localchat.tui.screens.dialogs import SETTINGS_FIELDS, SettingsScreen
 from localchat.tui.screens.models import ModelsScreen
 
-from fixtures import cache_dir
+from fixtures import keep_libraries, seed_libraries
 from hub_server import HubServer, folder_files, tiny_llama_folder
 
 SIZE = (120, 40)
@@ -57,20 +55,8 @@ def seeded_home(root: Path) -> Path:
     home = root / "home"
     libs = home / "cache" / "libs"
     libs.mkdir(parents=True)
-    kept = cache_dir() / "libs"
-    kept.mkdir(exist_ok=True)
-    for lib in kept.glob("*.so*"):  # with their sha256 records
-        shutil.copy2(lib, libs / lib.name)
+    seed_libraries(libs)
     return home
-
-
-def keep_libraries(home: Path) -> None:
-    """Keep what was compiled under `home` for the next run."""
-    kept = cache_dir() / "libs"
-    for lib in (home / "cache" / "libs").glob("*.so*"):
-        if not (kept / lib.name).exists():
-            shutil.copy2(lib, kept / f".{lib.name}.part")
-            os.replace(kept / f".{lib.name}.part", kept / lib.name)
 
 
 def rows(screen: ModelsScreen) -> list[str]:
@@ -132,7 +118,7 @@ async def test_the_recommended_model_is_pulled_with_one_key_then_deleted(
     try:
         await pull_recommended_then_delete(LocalchatApp(device="cpu"))
     finally:
-        keep_libraries(home)
+        keep_libraries(home / "cache" / "libs")
     assert not any((home / "models").glob("*/*/localchat-config.json"))
 
 
@@ -143,7 +129,7 @@ def pull_server(hub: HubServer, tmp_path: Path) -> Iterator[Server]:
     srv = start_server(home, tmp_path / "server.log", env={"HF_ENDPOINT": hub.url, **PULL_ENV})
     yield srv
     stop_server(srv)
-    keep_libraries(home)
+    keep_libraries(home / "cache" / "libs")
 
 
 @pytest.mark.asyncio
