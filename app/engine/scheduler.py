@@ -19,6 +19,7 @@ needs a slot or room.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import threading
@@ -563,6 +564,10 @@ class Scheduler:
         request.next_token = None
         tail = request.text_stream.finish() if request.text_stream is not None else ""
         thinking, tail = _split(request, tail, None, final=True)
+        calls = tuple(getattr(request.splitter, "calls", ()))
+        if calls and reason == "stop" and not calls[-1].complete:
+            # the stop token (harmony's <|call|>) ended the last call's body
+            calls = (*calls[:-1], dataclasses.replace(calls[-1], complete=True))
         reply = Reply(
             text="".join(request.pieces),
             token_ids=list(request.generated),
@@ -570,6 +575,7 @@ class Scheduler:
             stats=self._stats(request, reason),
             message=request.message,
             reasoning="".join(request.thoughts),
+            tool_calls=calls,
         )
         self._detach(request)
         if request.owner is not None:

@@ -17,6 +17,8 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from localchat.engine.harmony import HarmonyCall
+
 FinishReason = Literal["stop", "length", "cancelled"]
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "cancelled")
 
@@ -69,6 +71,8 @@ class Reply:
     `token_ids` excludes a stop token that ended the reply; `message` says why a reply ended
     early when the finish reason alone does not (e.g. the context window is full). A reasoning
     model's thinking (its `<think>` block) is in `reasoning`, apart from `text`, the answer.
+    A harmony model's (gpt-oss) messages to a tool (`to=functions.f`) are in `tool_calls`, in
+    the order written, apart from both.
     """
 
     text: str
@@ -77,6 +81,7 @@ class Reply:
     stats: ReplyStats = field(default_factory=ReplyStats)
     message: str | None = None
     reasoning: str = ""
+    tool_calls: tuple[HarmonyCall, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,7 @@ class ConversationTemplate(ABC):
     def tool_call_style(self) -> str:
         """How the model writes a call: "tag" = `<tool_call>\n{"name": .., "arguments": ..}
         \n</tool_call>` (Qwen2.5, Hermes), "json" = a bare `{"name": .., "parameters": ..}`
-        (Llama 3.1/3.2)."""
+        (Llama 3.1/3.2), "harmony" = a message to `functions.<name>` (gpt-oss)."""
         return "json"
 
     def stops(self, tokenizer: TokenLookup, model_dir: Path | None = None) -> Stops:
@@ -525,7 +525,10 @@ class JinjaTemplate(ConversationTemplate):
 
     @property
     def tool_call_style(self) -> str:
-        """"tag" when the template writes calls in <tool_call> tags, else "json"."""
+        """"harmony" for OpenAI's harmony format (gpt-oss: a message to `functions.f`), "tag"
+        when the template writes calls in <tool_call> tags, else "json"."""
+        if HARMONY_CHANNEL in self.source:
+            return "harmony"
         return "tag" if "<tool_call>" in self.source else "json"
 
     @property

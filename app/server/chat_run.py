@@ -109,7 +109,9 @@ async def start_chat(state: ServerState, model: str, messages: list[dict[str, An
         overrides = dict(overrides)
         if mode != "none":
             plan = ToolPlan(template.tool_call_style, callable_tools)
-            overrides["response_format"] = call_format(plan.style, mode, callable_tools)
+            call_fmt = call_format(plan.style, mode, callable_tools)
+            if call_fmt is not None:
+                overrides["response_format"] = call_fmt
         defs = [t.definition for t in tools] or None
         prompt_tokens = engine.count_tokens(messages, tools=defs, think=think)
         max_tokens = overrides.get("max_tokens")
@@ -174,7 +176,7 @@ async def reply_parts(events: Events,
             continue
         calls: list[ToolCall] = []
         if plan is not None:
-            _, calls = parse_calls(held.text, plan.style, plan.tools)
+            _, calls = parse_calls(held.text, plan.style, plan.tools, event.reply.tool_calls)
         end = streamable(held.text, plan.style) if calls and plan is not None else len(
             held.text)
         rest = held.text[held.sent:end]

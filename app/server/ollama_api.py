@@ -302,7 +302,8 @@ async def _generate(request: Request, state: ServerState, body: p.OllamaBase,
                 (choice,) = await collect(events, 1)
             done = {"done": True, **durations(tracker, choice.finish, started, load_s)}
             if calls is not None:
-                content, found = parse_calls(choice.text, calls.style, calls.tools)
+                harmony = choice.finish.reply.tool_calls if choice.finish else ()
+                content, found = parse_calls(choice.text, calls.style, calls.tools, harmony)
                 if found:
                     return JSONResponse(
                         {**_with_calls(shape(content, choice.reasoning), found), **done},
@@ -323,7 +324,8 @@ async def _generate(request: Request, state: ServerState, body: p.OllamaBase,
                         text += event.text
                         found: list[Any] = []
                         if isinstance(event, FinishEvent):
-                            _, found = parse_calls(text, calls.style, calls.tools)
+                            _, found = parse_calls(text, calls.style, calls.tools,
+                                                   event.reply.tool_calls)
                         safe = (len(text) if isinstance(event, FinishEvent) and not found
                                 else streamable(text, calls.style))
                         if safe > sent:
@@ -377,7 +379,9 @@ async def chat(request: Request) -> Response:
             if "response_format" in o:
                 raise InvalidRequestError("format cannot be combined with tools", "format")
             plans.append(ToolPlan(template.tool_call_style, tools))
-            o = {**o, "response_format": call_format(template.tool_call_style, "auto", tools)}
+            call_fmt = call_format(template.tool_call_style, "auto", tools)
+            if call_fmt is not None:
+                o = {**o, "response_format": call_fmt}
         kept, cut = fit_messages(engine, messages, o.get("max_tokens"), defs,
                                  truncate=truncate, model=body.model, think=body.think)
         cuts.append(cut)

@@ -292,7 +292,8 @@ def chat_message(text: str, event: FinishEvent | None, calls: ToolPlan | None,
     and a reasoning model's thinking)."""
     thought = reasoning or None
     if calls is not None:
-        content, found = parse_calls(text, calls.style, calls.tools)
+        harmony = event.reply.tool_calls if event is not None else ()
+        content, found = parse_calls(text, calls.style, calls.tools, harmony)
         if found:
             return (p.AssistantMessage(content=content or None, reasoning_content=thought,
                                        tool_calls=[c.to_dict() for c in found]), "tool_calls")
@@ -404,7 +405,9 @@ async def chat_completions(request: Request) -> Response:
                 f"({template.name}) does not render them", "tools" if tools else "messages")
         if mode != "none":
             plan = ToolPlan(template.tool_call_style, callable_tools)
-            overrides["response_format"] = call_format(plan.style, mode, callable_tools)
+            call_fmt = call_format(plan.style, mode, callable_tools)
+            if call_fmt is not None:
+                overrides["response_format"] = call_fmt
         defs = [t.definition for t in tools] or None
         truncate = wants_truncation(body)
         try:

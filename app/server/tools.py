@@ -7,10 +7,16 @@ Llama 3.1/3.2, Hermes ...). A call is written the way the template family writes
 
     tag:   <tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>     (Qwen2.5, Hermes)
     json:  {"name": "f", "parameters": {...}}                               (Llama 3.x)
+    harmony: <|channel|>commentary to=functions.f <|constrain|>json<|message|>{...}<|call|>
+                                                                        (gpt-oss)
 
 A structural-tag response format (engine/grammar.py turns it into an llguidance grammar)
 constrains it: with tool_choice "auto" the reply is free text until the call's opening, then the
 call under its schema; with "required" or a named function the reply is exactly one call.
+
+A harmony model's calls are messages of their own, which the engine's HarmonySplitter keeps out
+of the reply's text (`Reply.tool_calls`): "auto" leaves the model to write them unconstrained,
+"required" is a Lark grammar over its special tokens that opens the reply with one call.
 """
 
 from __future__ import annotations
@@ -22,8 +28,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from localchat.engine.grammar import JSON_OPTIONS, strict_schema
+from localchat.engine.harmony import HarmonyCall
 from localchat.errors import InvalidRequestError
 
+HARMONY = "harmony"  # the tool-call style of OpenAI's harmony format (gpt-oss)
+HARMONY_RECIPIENT = "functions."  # a harmony call's recipient: functions.<name>
 NAME_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -108,7 +118,10 @@ def call_trigger(style: str) -> str:
 
 def streamable(text: str, style: str) -> int:
     """How much of a reply's text so far is surely content, not the start of a call: all of
-    it up to a call's opening, less an ending that could still grow into one."""
+    it up to a call's opening, less an ending that could still grow into one (all of it for a
+    harmony model, whose calls never reach the text)."""
+    if style == HARMONY:
+        return len(text)
     trigger = call_trigger(style)
     at = text.find(trigger)
     if at >= 0:
@@ -119,9 +132,12 @@ def streamable(text: str, style: str) -> int:
     return len(text)
 
 
-def call_format(style: str, mode: str, tools: Sequence[Tool]) -> dict[str, Any]:
+def call_format(style: str, mode: str, tools: Sequence[Tool]) -> dict[str, Any] | None:
     """The response format (a structural tag, see engine/grammar.py) for calls in `style`: any
-    text or one call when mode is "auto", exactly one call when it is "required"."""
+    text or one call when mode is "auto", exactly one call when it is "required". None (no
+    constraint) for a harmony model's "auto": it writes its calls in its own channels."""
+    if style == HARMONY:
+        return harmony_call_format(tools) if mode == "required" else None
     tags = []
     for tool in tools:
         begin, end = _call_parts(style, tool.name)
@@ -131,6 +147,21 @@ def call_format(style: str, mode: str, tools: Sequence[Tool]) -> dict[str, Any]:
     return {"type": "structural_tag", "format": {
         "type": "triggered_tags", "triggers": [trigger], "tags": tags,
         "at_least_one": mode == "required", "stop_after_first": True}}
+
+
+def harmony_call_format(tools: Sequence[Tool]) -> dict[str, Any]:
+    """A Lark grammar (llguidance's dialect: `<|...|>` is a special token) for a harmony reply
+    that is one call to one of `tools`, its arguments under the function's schema: the prompt
+    ends with `<|start|>assistant`, the reply is `<|channel|>commentary to=functions.NAME
+    <|constrain|>json<|message|>{...}`, and the stop token `<|call|>` ends it."""
+    rules = []
+    for i, tool in enumerate(tools):
+        schema = {"x-guidance": JSON_OPTIONS, **strict_schema(dict(tool.parameters))}
+        rules.append(f'call_{i}: {json.dumps(tool.name)} " " <|constrain|> "json" <|message|> '
+                     f"%json {json.dumps(schema)}")
+    alternatives = " | ".join(f"call_{i}" for i in range(len(tools)))
+    start = f'start: <|channel|> "commentary to={HARMONY_RECIPIENT}" ({alternatives})'
+    return {"type": "grammar", "grammar": "\n".join(["%llguidance {}", start, *rules]) + "\n"}
 
 
 def tool_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -176,9 +207,34 @@ class ToolCall:
         return out
 
 
-def parse_calls(text: str, style: str, tools: Sequence[Tool]) -> tuple[str, list[ToolCall]]:
+def harmony_tool_calls(calls: Sequence[HarmonyCall], tools: Sequence[Tool]) -> list[ToolCall]:
+    """A harmony reply's calls (`Reply.tool_calls`) that OpenAI's API can return: complete,
+    to `functions.<a known tool>`, with a JSON object for arguments (others are left out)."""
+    names = {t.name for t in tools}
+    out = []
+    for call in calls:
+        name = call.recipient.removeprefix(HARMONY_RECIPIENT)
+        if not call.complete or not call.recipient.startswith(HARMONY_RECIPIENT) \
+                or name not in names:
+            continue
+        try:
+            args = json.loads(call.arguments)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(args, dict):
+            out.append(ToolCall(name, json.dumps(args, ensure_ascii=False),
+                                f"call_{uuid.uuid4().hex[:24]}"))
+    return out
+
+
+def parse_calls(text: str, style: str, tools: Sequence[Tool],
+                harmony: Sequence[HarmonyCall] = ()) -> tuple[str, list[ToolCall]]:
     """(content before the calls, the calls) in a reply's text; a text without a complete,
-    known call is all content."""
+    known call is all content. A harmony model's calls are not in its text: they are
+    `harmony`, the reply's `tool_calls`."""
+    if style == HARMONY:
+        found = harmony_tool_calls(harmony, tools)
+        return (text.strip() if found else text), found
     names = {t.name for t in tools}
     key = "arguments" if style == "tag" else "parameters"
     if style == "tag":
