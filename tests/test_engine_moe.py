@@ -23,9 +23,11 @@ import torch
 from localchat.engine.build import gguf as lg
 from localchat.engine.build.quantization import (
     dequantize_q4,
+    dequantize_q8,
     get_quant_mode,
     quantize_q4,
     quantize_q4_asym,
+    quantize_q8,
 )
 from localchat.engine.runtime import Model
 
@@ -45,9 +47,12 @@ def model(arch: str, quant: str) -> Model:
 
 
 def _round_trip(w: torch.Tensor, quant: str) -> torch.Tensor:
-    """A [N, K] weight as our `quant` conversion stores it (4-bit), dequantized back."""
+    """A [N, K] weight as our `quant` conversion stores it (4-bit, or 8-bit), dequantized
+    back."""
     a = w.detach().float().numpy()
     k = a.shape[1]
+    if quant == "q8f32_0":
+        return torch.from_numpy(dequantize_q8(*quantize_q8(a), k))
     if quant == "q4f32_asym":
         return torch.from_numpy(dequantize_q4(*quantize_q4_asym(a), k, asymmetric=True))
     return torch.from_numpy(dequantize_q4(*quantize_q4(a, "float32"), k))
@@ -95,7 +100,7 @@ def _tolerance(quant: str) -> float:
 
 
 @pytest.mark.parametrize("arch,quant", [(a, "q0f32") for a in ARCHS]
-                         + [("qwen3-moe", "q4f32_1")])
+                         + [("qwen3-moe", "q4f32_1"), ("qwen3-moe", "q8f32_0")])
 def test_matches_transformers(arch: str, quant: str) -> None:
     ref_tokens, ref_logits = reference(arch, quant)
     assert len(set(ref_tokens)) > STEPS // 2  # the oracle walks through the vocabulary
@@ -107,7 +112,7 @@ def test_matches_transformers(arch: str, quant: str) -> None:
         assert run_greedy(ours, PROMPT, STEPS) == ref_tokens
 
 
-@pytest.mark.parametrize("quant", ["q0f32", "q4f32_1"])
+@pytest.mark.parametrize("quant", ["q0f32", "q4f32_1", "q8f32_0"])
 def test_batched_equals_alone(quant: str) -> None:
     """Three prompts prefilled together and decoded together give each the bits it gets
     alone: the experts' grouping never mixes sequences' arithmetic."""
@@ -145,6 +150,7 @@ def test_expert_kernels_match_numpy() -> None:
         "f": moe.moe_gemv(k, n, experts, top, "float32", "f"),
         "q4": moe.moe_gemv(k, n, experts, top, "float32", "q4"),
         "q4_asym": moe.moe_gemv(k, n, experts, top, "float32", "q4_asym"),
+        "q8": moe.moe_gemv(k, n, experts, top, "float32", "q8"),
         "down_q4": moe.moe_gemv(n, k, experts, top, "float32", "q4", shared=False),
         "combine": moe.moe_combine(n, top, "float32"),
     }
@@ -171,9 +177,11 @@ def test_expert_kernels_match_numpy() -> None:
 
     idx = _gemv_cases()
     x = rng.standard_normal((m, 1, k), dtype=np.float32)
-    dense = {"f": w, "q4": dequantize_q4(*wq, k), "q4_asym": dequantize_q4(*wa, k, asymmetric=True)}
-    weights = {"f": (w,), "q4": wq, "q4_asym": wa}
-    for name in ("f", "q4", "q4_asym"):
+    w8 = quantize_q8(w)
+    dense = {"f": w, "q4": dequantize_q4(*wq, k), "q4_asym": dequantize_q4(*wa, k, asymmetric=True),
+             "q8": dequantize_q8(*w8, k)}
+    weights = {"f": (w,), "q4": wq, "q4_asym": wa, "q8": w8}
+    for name in ("f", "q4", "q4_asym", "q8"):
         (y,) = run(name, x, *weights[name], idx, out=[((m, top, n), "float32")])
         ref = np.stack([[x[t, 0].astype(np.float64) @ dense[name][e * n:(e + 1) * n].T
                          for e in idx[t]] for t in range(m)])
@@ -213,8 +221,10 @@ def test_int8_expert_gemv_matches_numpy_and_one_token_equals_batched(isa: str) -
     wq = quantize_q4(rng.standard_normal((experts * n, k), dtype=np.float32) * 0.1, "float32")
     wa = quantize_q4_asym(rng.standard_normal((experts * n, k), dtype=np.float32) * 0.1)
     wd = quantize_q4(rng.standard_normal((experts * k, n), dtype=np.float32) * 0.1, "float32")
+    w8 = quantize_q8(rng.standard_normal((experts * k, n), dtype=np.float32) * 0.1)
     funcs = {
         "q4": moe.moe_gemv(k, n, experts, top, "float32", "q4", isa),
+        "down_q8": moe.moe_gemv(n, k, experts, top, "float32", "q8", isa, shared=False),
         "q4_asym": moe.moe_gemv(k, n, experts, top, "float32", "q4_asym", isa),
         "down": moe.moe_gemv(n, k, experts, top, "float32", "q4", isa, shared=False),
     }
@@ -234,11 +244,12 @@ def test_int8_expert_gemv_matches_numpy_and_one_token_equals_batched(isa: str) -
         "q4": (x, wq, dequantize_q4(*wq, k), k, n),
         "q4_asym": (x, wa, dequantize_q4(*wa, k, asymmetric=True), k, n),
         "down": (xd, wd, dequantize_q4(*wd, n), n, k),
+        "down_q8": (xd, w8, dequantize_q8(*w8, n), n, k),
     }
     for name, (xin, weights, dense, kk, nn) in cases.items():
         y = run(name, xin, weights, idx, (m, top, nn))
         xq = _quantize_x(xin.reshape(-1, kk), padded_k(kk)).reshape(xin.shape)
-        ref = np.stack([[xq[t, 0 if name != "down" else j].astype(np.float64)
+        ref = np.stack([[xq[t, 0 if not name.startswith("down") else j].astype(np.float64)
                          @ dense[e * nn:(e + 1) * nn].T for j, e in enumerate(idx[t])]
                         for t in range(m)])
         assert rel_err(y, ref) <= 2e-6, name

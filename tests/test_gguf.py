@@ -371,7 +371,9 @@ def test_q4_1_gguf_defaults_to_q4f32_asym_which_holds_it_exactly(tiny: Path,
     assert build.gguf_default_quantization(path, "cpu") == "q4f32_asym"
     assert build.gguf_default_quantization(path, "gpu") is None
     q8 = write_llama_gguf(tiny, tmp_path / "tiny-q8.gguf", "Q8_0")
-    assert build.gguf_default_quantization(q8, "cpu") is None
+    assert build.gguf_default_quantization(q8, "cpu") == "q8f32_0"
+    f16 = write_llama_gguf(tiny, tmp_path / "tiny-f16.gguf", "F16")
+    assert build.gguf_default_quantization(f16, "cpu") is None  # no mode holds it: the default
 
     asked = []
 

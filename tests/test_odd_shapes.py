@@ -5,8 +5,8 @@ reduction padded to whole groups with zero weights, which must not show in any r
 The oracle is transformers on the same weights: as they are for q0f32, and with every weight our
 4-bit conversion quantizes replaced by its quantize-dequantize round trip for q4f32_1 and
 q4f32_asym (asymmetric 4-bit Linears, 8-bit embedding and LM head; the padding then has to be
-exactly invisible, not merely close). One compiled model per architecture and mode, each with
-one layer, to keep compile time (which dominates) short.
+exactly invisible, not merely close) and q8f32_0 (every matrix 8-bit). One compiled model per
+architecture and mode, each with one layer, to keep compile time (which dominates) short.
 """
 
 from __future__ import annotations
@@ -36,11 +36,13 @@ from model_oracle import rel_err, run_teacher_forced
 
 ARCHS = ["llama-odd", "qwen2-odd", "mistral-odd", "qwen3-odd", "gemma2-odd", "gemma3-odd",
          "olmo2-odd", "smollm3-odd", "phi3-odd", "rwkv4-odd"]
-QUANTS = ["q0f32", "q4f32_1", "q4f32_asym"]
-# q4f32_asym on an untied and a tied Llama and on RWKV (Mistral's layers are Llama's: no new path);
+QUANTS = ["q0f32", "q4f32_1", "q4f32_asym", "q8f32_0"]
+# q4f32_asym and q8f32_0 on an untied and a tied Llama and on RWKV (Mistral's layers are Llama's:
+# no new path);
 # the block's options (q/k norm, Gemma's, OLMo 2's, SmolLM3's) are float paths whatever the
 # mode: Qwen3 at q0f32 and q4f32_1, the others at q0f32
 SKIP = {("mistral-odd", "q4f32_asym"), ("qwen3-odd", "q4f32_asym"),
+        ("mistral-odd", "q8f32_0"), ("qwen3-odd", "q8f32_0"),
         *((a, q) for a in ("gemma2-odd", "gemma3-odd", "olmo2-odd", "smollm3-odd", "phi3-odd")
           for q in QUANTS[1:])}
 CASES = [(a, q) for q in QUANTS for a in ARCHS if (a, q) not in SKIP]
@@ -57,10 +59,10 @@ def source(arch: str) -> Path:
 
 def _round_trip(weight: torch.Tensor, quant: str = "q4f32_1", head: bool = False) -> torch.Tensor:
     """`weight` [N, K] as our `quant` conversion stores it, dequantized back to [N, K]; `head`:
-    the embedding or LM head (8-bit in the asymmetric modes)."""
+    the embedding or LM head (8-bit in the asymmetric modes; everything is in q8f32_0)."""
     w = weight.detach().float().numpy()
     k = w.shape[1]
-    if quant == "q4f32_asym" and head:
+    if quant == "q8f32_0" or (quant == "q4f32_asym" and head):
         return torch.from_numpy(dequantize_q8(*quantize_q8(w), k))
     if quant == "q4f32_asym":
         return torch.from_numpy(dequantize_q4(*quantize_q4_asym(w), k, asymmetric=True))

@@ -149,24 +149,28 @@ def _llama_cpp_quantize(src: Path, dest: Path, ftype: str) -> Path:
     return dest
 
 
-@pytest.fixture(scope="module")
-def q4_0_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Llama (tests/hub_server's) written as an F32 GGUF, quantized by llama.cpp to Q4_0."""
+@pytest.fixture(scope="module", params=["Q4_0", "Q8_0"])
+def exact_gguf(request: pytest.FixtureRequest,
+               tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A tiny Llama (tests/hub_server's) written as an F32 GGUF, quantized by llama.cpp to Q4_0
+    or Q8_0, and the mode that holds that type."""
     from test_gguf import write_llama_gguf
 
     from hub_server import tiny_llama_folder
 
-    tmp = tmp_path_factory.mktemp("q4_0")
+    ftype = request.param
+    tmp = tmp_path_factory.mktemp(ftype.lower())
     f32 = write_llama_gguf(tiny_llama_folder(tmp / "tiny-llama"), tmp / "tiny-f32.gguf")
-    return _llama_cpp_quantize(f32, tmp / "tiny-q4_0.gguf", "Q4_0")
+    gguf = _llama_cpp_quantize(f32, tmp / f"tiny-{ftype.lower()}.gguf", ftype)
+    return gguf, {"Q4_0": "q4f32_0", "Q8_0": "q8f32_0"}[ftype]
 
 
-def test_q4_0_gguf_is_held_exactly_and_generates(q4_0_gguf: Path, tmp_path: Path) -> None:
-    """llama.cpp's Q4_0 file converts by default (CPU) to q4f32_0; every 4-bit parameter
-    dequantizes to exactly llama.cpp's dequantization of the file's blocks (fused and with Q/K
-    rows put back in HF's order), so does the 8-bit embedding (Q4_0 in the file), and the
-    model's greedy tokens and logits are those of the
-    q0f32 import of the same file (which holds the dequantized values as they are)."""
+def test_gguf_is_held_exactly_and_generates(exact_gguf: tuple[Path, str], tmp_path: Path) -> None:
+    """llama.cpp's Q4_0 (Q8_0) file converts by default (CPU) to q4f32_0 (q8f32_0); every
+    quantized parameter dequantizes to exactly llama.cpp's dequantization of the file's blocks
+    (fused and with Q/K rows put back in HF's order), so does the 8-bit embedding (Q4_0 or
+    Q8_0 in the file), and the model's greedy tokens and logits are those of the q0f32 import
+    of the same file (which holds the dequantized values as they are)."""
     import tvm
     import tvm.contrib.tvmjs as tvmjs
 
@@ -176,46 +180,52 @@ def test_q4_0_gguf_is_held_exactly_and_generates(q4_0_gguf: Path, tmp_path: Path
     from localchat.engine.models import detect_architecture
     from localchat.engine.runtime import Model
 
-    assert lg.matrix_types(lg.read_gguf(q4_0_gguf)) == {"Q4_0"}
-    assert build.gguf_default_quantization(q4_0_gguf, "cpu") == "q4f32_0"
-    assert build.gguf_weights_dtype("q4f32_0") == "float32"
+    path, mode = exact_gguf
+    ftype = get_quant_mode(mode).gguf_type
+    assert lg.matrix_types(lg.read_gguf(path)) == {ftype}
+    assert build.gguf_default_quantization(path, "cpu") == mode
+    assert build.gguf_weights_dtype(mode) == "float32"
 
-    out = build.convert_source(q4_0_gguf, tmp_path / "q4", "q4f32_0", scratch_dir=tmp_path)
+    out = build.convert_source(path, tmp_path / "q", mode, scratch_dir=tmp_path)
     params, _ = tvmjs.load_tensor_cache(str(out), tvm.cpu())
     params = {name: value.numpy() for name, value in params.items()}
-    hf = lg.gguf_to_hf_folder(q4_0_gguf, tmp_path / "hf")  # gguf.quants.dequantize, unpermuted
-    config = lg.hf_config(lg.read_gguf(q4_0_gguf))
+    hf = lg.gguf_to_hf_folder(path, tmp_path / "hf")  # gguf.quants.dequantize, unpermuted
+    config = lg.hf_config(lg.read_gguf(path))
     arch = detect_architecture(config)
     checked = 0
     with open_weights(hf) as weights:
         for name, value in arch.hf_params(arch.config_from_hf(config), weights.get,
                                           weights.names):
-            if name == "model.embed_tokens.weight":  # Q4_0 in the file, held in 8 bits
-                got = dequantize_q8(params[name], params["model.embed_tokens.scale"])
-                assert np.array_equal(got, np.asarray(value, np.float32))
-            if name not in params or params[name].dtype != np.uint32:
+            scale_name = name[: -len("weight")] + "scale"
+            if scale_name not in params:
                 continue
-            scale = params[name[: -len("weight")] + "scale"]
+            scale = params[scale_name]
             assert scale.dtype == np.float16
-            got = dequantize_q4(params[name], scale, value.shape[1])
+            if params[name].dtype == np.int8:  # 8-bit: the embedding, or every matrix in Q8_0
+                got = dequantize_q8(params[name], scale, value.shape[1])
+            else:
+                got = dequantize_q4(params[name], scale, value.shape[1])
             assert np.array_equal(got, np.asarray(value, np.float32)), name
             checked += 1
-    assert checked == 2 * 4  # per layer: fused qkv, o, fused gate/up, down
-    # the untied head and the embedding are 8-bit
+    # per layer: fused qkv, o, fused gate/up, down; the embedding and the head
+    assert checked == 2 * 4 + 2
+    # the untied head and the embedding are 8-bit (and in Q8_0 every matrix)
     assert params["lm_head.weight"].dtype == np.int8
+    assert (params["model.layers.0.mlp.down_proj.weight"].dtype == np.int8) == (ftype == "Q8_0")
 
-    ref_dir = build.convert_source(q4_0_gguf, tmp_path / "f32", "q0f32", scratch_dir=tmp_path)
-    q4, ref = Model(out, "cpu"), Model(ref_dir, "cpu")
-    prompt = q4.tokenizer.encode("hello world, the lighthouse")
-    # q0f32 greedy; q4f32_0 fed the same tokens
+    ref_dir = build.convert_source(path, tmp_path / "f32", "q0f32", scratch_dir=tmp_path)
+    quantized, ref = Model(out, "cpu"), Model(ref_dir, "cpu")
+    prompt = quantized.tokenizer.encode("hello world, the lighthouse")
+    # q0f32 greedy; the quantized model fed the same tokens
     seq = ref.new_sequence()
     want = [ref.prefill(seq, prompt)]
     tokens = [int(np.argmax(want[-1]))]
     for _ in range(7):
         want.append(ref.decode([seq], [tokens[-1]])[0])
         tokens.append(int(np.argmax(want[-1])))
-    seq = q4.new_sequence()
-    got = [q4.prefill(seq, prompt)] + [q4.decode([seq], [t])[0] for t in tokens[:-1]]
+    seq = quantized.new_sequence()
+    got = [quantized.prefill(seq, prompt)] + [quantized.decode([seq], [t])[0]
+                                              for t in tokens[:-1]]
     # the same weights (the file's Q8_0 head is held exactly too); the kernels' summation order,
     # or with VNNI int8 activations, make the only difference
     assert rel_err(np.stack(got), np.stack(want)) < 2e-2

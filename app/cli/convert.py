@@ -18,9 +18,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     # the modes are spelled out rather than read from the engine: --help stays import-free
     p.add_argument("--quant", default=None,
                    help="q0f32, q0f16, q4f32_1, q4f16_1, q4f32_asym, q4f16_asym, q4f32_0, "
-                   "q4f16_0 or q4f32_k (default: q4f32_1; for a .gguf of Q4_1, Q4_0 or "
-                   "Q4_K(_M) on the CPU q4f32_asym, q4f32_0 or q4f32_k, which hold its 4-bit "
-                   "blocks exactly)")
+                   "q4f16_0, q4f32_k, q8f32_0 or q8f16_0 (default: q4f32_1; for a .gguf of "
+                   "Q4_1, Q4_0, Q4_K(_M) or Q8_0 on the CPU q4f32_asym, q4f32_0, q4f32_k or "
+                   "q8f32_0, which hold its blocks exactly)")
     p.add_argument("--output", "-o", required=True, help="model directory to create")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, metal or vulkan")
     p.add_argument("--context-window", type=int, default=None)

@@ -47,6 +47,11 @@ embedding re-quantized to 4 bits instead, SmolLM2-135M's greedy top-1 agreement 
 87% (its Q4_1 GGUF holds the embedding in Q8_0, the rest round-trips exactly); with 8 bits, 100%
 in float arithmetic.
 
+`q8f32_0` and `q8f16_0` hold llama.cpp's Q8_0: every weight matrix in that 8-bit layout (the
+embedding and LM head too), run by the 8-bit GEMV (`kernels.gemv.gemv_q8`) at every step and in
+the grouped expert GEMV of MoE models. A Q8_0 file's blocks come back exactly (each group's
+largest |q| is 127, so the quantizer finds d again, and d * q is exact in float32).
+
 A reduction size K that is not a multiple of 32 is padded to the next multiple before packing (as
 MLC-LLM's group quantization does): the stored matrix is [N, ceil(K/32)*32] and its last group
 holds the K % 32 real values plus padding. In the symmetric modes the padding is zero weights,
@@ -108,6 +113,8 @@ QUANT_MODES: dict[str, QuantMode] = {
         QuantMode("q4f16_0", 4, "float16", gguf_type="Q4_0"),
         QuantMode("q4f32_k", 4, "float32", asymmetric=True, gguf_type="Q4_K",
                   scale_type="float32"),
+        QuantMode("q8f32_0", 8, "float32", gguf_type="Q8_0"),
+        QuantMode("q8f16_0", 8, "float16", gguf_type="Q8_0"),
     )
 }
 

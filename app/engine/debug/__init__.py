@@ -54,9 +54,10 @@ def debug_model(model_dir: Path, reference: Path, *, prompt: str = DEBUG_PROMPT,
         ids = ids[:chunk]
     ours = run_compiled(model_dir, ids, device, log)
     if _rounds_activations(str(meta["quantization"]), device):
-        notes.append("note: on this CPU the 4-bit kernels round activations to int8 per group of "
-                     "32 (AVX2/VNNI, as llama.cpp does), so even an exact import's logits differ "
-                     "a little from float activations and top-1 agreement may be under 100%")
+        notes.append("note: on this CPU the 4- and 8-bit kernels round activations to int8 per "
+                     "group of 32 (AVX2/VNNI, as llama.cpp does), so even an exact import's "
+                     "logits differ a little from float activations and top-1 agreement may be "
+                     "under 100%")
     with reference_folder(reference, log) as folder:
         if folder.suffix.lower() == ".pth":
             if log:
@@ -74,7 +75,7 @@ def debug_model(model_dir: Path, reference: Path, *, prompt: str = DEBUG_PROMPT,
 
 
 def _rounds_activations(quantization: str, device: str) -> bool:
-    """Whether the compiled 4-bit kernels of this CPU round activations to int8."""
+    """Whether the compiled 4- and 8-bit kernels of this CPU round activations to int8."""
     if quantization.startswith("q0"):
         return False
     from localchat.engine.device import select_device

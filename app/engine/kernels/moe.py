@@ -31,13 +31,14 @@ from tvm.script import tirx as T
 
 from localchat.engine.kernels.common import (
     GROUP_SIZE,
+    INT8_ISAS,
     LANES,
     NIBBLES_PER_WORD,
     divisor,
     padded_k,
     scheduled,
 )
-from localchat.engine.kernels.gemv import gemv_q4_macro
+from localchat.engine.kernels.gemv import gemv_q4_macro, gemv_q8_macro, gemv_q8_vnni_macro
 
 F32 = "float32"
 OPAQUE = 8  # Relax's op pattern for a kernel that fusion leaves whole
@@ -148,13 +149,18 @@ def moe_gemv(
     avx512: bool | str = False, shared: bool = True,
 ) -> tirx.PrimFunc:
     """y [m, topk, n] = x @ W_e^T per token and slot, e = idx[t, j], W [experts * n, k] stored
-    as `quant`: "f" (float of `dtype`), "q4" ((q - 8) * scale) or "q4_asym" (float16 scale and
-    min); `avx512` as `gemv.gemv_q4`'s. `shared`: x is [m, 1, k], one input for every slot (the
+    as `quant`: "f" (float of `dtype`), "q4" ((q - 8) * scale), "q4_asym" (float16 scale and
+    min) or "q8" (int8 q * float16 scale, `quantization.quantize_q8`); `avx512` as
+    `gemv.gemv_q4`'s. `shared`: x is [m, 1, k], one input for every slot (the
     gate/up projection); otherwise [m, topk, k], each slot its own (the down projection)."""
     kx = 1 if shared else topk
     if quant == "f":
         body = gemv_f_macro(k, n, dtype)
         kw, ks, wdt, sdt = k, 1, dtype, dtype
+    elif quant == "q8":
+        body = (gemv_q8_vnni_macro(k, n, dtype, False, isa=avx512) if avx512 in INT8_ISAS
+                else gemv_q8_macro(k, n, dtype, False))
+        kw, ks, wdt, sdt = padded_k(k), padded_k(k) // GROUP_SIZE, "int8", "float16"
     else:
         asym = quant == "q4_asym"
         body = gemv_q4_macro(k, n, dtype, False, avx512, asym)

@@ -19,9 +19,10 @@ In the asymmetric modes a 4-bit weight's `scale` holds each group's scale and mi
 (float16; float32 in q4f32_k), and in every mode that holds a llama.cpp type (`QuantMode.gguf_type`:
 the asymmetric ones, q4f32_0 / q4f16_0) the token embedding and the LM head are 8-bit (int8
 values, a float16 scale per group: `quantization.quantize_q8`), run by `gemv.gemv_q8`; an int8
-weight is the 8-bit layout, so `linear` needs no flag beyond the mode. The kernels get the group
-parameters' type from the mode (`QuantMode.group_dtype`: q4f32_0's scales are float16 under
-float32 activations).
+weight is the 8-bit layout, so `linear` needs no flag beyond the mode. In the 8-bit modes
+(llama.cpp's Q8_0) every weight matrix has that layout and runs `gemv_q8` at every step. The
+kernels get the group parameters' type from the mode (`QuantMode.group_dtype`: q4f32_0's
+scales are float16 under float32 activations).
 """
 
 from __future__ import annotations
@@ -94,12 +95,12 @@ def _dequant_value(
 def _quantized_params(
     rows: int, cols: int, mode: QuantMode, head: bool
 ) -> tuple[nn.Parameter, nn.Parameter]:
-    """(weight, scale) of a quantized [rows, cols] matrix in `mode`: the 8-bit layout for the
-    embedding / LM head (`head`) where the mode has one, else 4-bit (asymmetric: scale and min
-    of each group side by side)."""
+    """(weight, scale) of a quantized [rows, cols] matrix in `mode`: the 8-bit layout in the
+    8-bit modes and for the embedding / LM head (`head`) where the mode has one, else 4-bit
+    (asymmetric: scale and min of each group side by side)."""
     kp = padded_k(cols)
     groups = kp // GROUP_SIZE
-    if head and mode.head_bits == 8:
+    if mode.bits == 8 or (head and mode.head_bits == 8):
         # the 8-bit layout's scales are float16 in every mode (`quantization.quantize_q8`)
         return nn.Parameter((rows, kp), Q8_DTYPE), nn.Parameter((rows, groups), "float16")
     per_group = 2 if mode.asymmetric else 1

@@ -112,9 +112,9 @@ class MoeMLP(nn.Module):
         if cfg.expert_act not in ("silu", "swiglu_clamp"):
             raise UnsupportedModelError(f"MoE expert activation {cfg.expert_act!r} is not "
                                         f"supported (silu, swiglu_clamp)")
-        if ctx.mode.quantized and ctx.mode.bits != 4:
+        if ctx.mode.quantized and ctx.mode.bits not in (4, 8):
             raise UnsupportedModelError(f"MoE experts in {ctx.mode.name} are not supported "
-                                        f"(float or 4-bit modes)")
+                                        f"(float, 4-bit or 8-bit modes)")
         if not ctx.cpu:
             raise UnsupportedModelError(
                 f"mixture-of-experts models run on the CPU only (not {ctx.target_kind})")
@@ -130,6 +130,8 @@ class MoeMLP(nn.Module):
     def _quant(self) -> str:
         if not self.mode.quantized:
             return "f"
+        if self.mode.bits == 8:
+            return "q8"
         return "q4_asym" if self.mode.asymmetric else "q4"
 
     def _grouped(self, x: nn.Tensor, proj: Linear, idx: nn.Tensor, k: int, n: int,
