@@ -150,14 +150,16 @@ def _dense_asym(k: int, n: int, seed: int):
     return rng, (words, scale_min), dense4, (q, qs), dequantize_q8(q, qs, k)
 
 
-def _check(lib, kernels, x, bias, n: int, tol: float, exact_x=None) -> None:
-    """Each kernel against numpy on rows 1, 3 and 6 of x, and row 0's bits the same for all."""
+def _check(lib, kernels, x, bias, n: int, tol: float, exact_x=None,
+           rows: tuple[int, ...] = (1, 3, 6)) -> None:
+    """Each kernel against numpy on the first `rows` rows of x, and row 0's bits the same for
+    all."""
     import tvm
 
     dev = tvm.cpu()
     for name, (weights, dense) in kernels.items():
         first = []
-        for m in (1, 3, 6):
+        for m in rows:
             y = tvm.runtime.tensor(np.zeros((m, n), np.float32), dev)
             args = (x[:m], *weights, *([bias] if bias is not None else []))
             lib[name](*[tvm.runtime.tensor(a, dev) for a in args], y)
@@ -165,7 +167,7 @@ def _check(lib, kernels, x, bias, n: int, tol: float, exact_x=None) -> None:
             ref = xs @ dense.T.astype(np.float64) + (bias if bias is not None else 0)
             assert rel_err(y.numpy(), ref) <= tol, f"{name} m={m}"
             first.append(y.numpy()[0])
-        assert np.array_equal(first[0], first[1]) and np.array_equal(first[0], first[2]), name
+        assert all(np.array_equal(first[0], f) for f in first[1:]), name
 
 
 def _compile(funcs: dict):
@@ -240,6 +242,27 @@ def test_int8_kernels_match_the_int8_reference(k: int, n: int, bias: bool, isa: 
     x[4, : min(k, 40)] *= 1000  # groups of very different magnitude in one row
     _check(lib, kernels, x, b, n, 2e-6, exact_x=_quantize_x(x, padded_k(k)))
     _check(lib, kernels, x, b, n, 2e-2)  # and near the float product
+
+
+@pytest.mark.parametrize("isa", ["vnni", "avx2"])
+def test_int8_kernels_in_tiles_of_w_for_many_rows(isa: str) -> None:
+    """With more rows of x than one block (prefill; every matrix of the 8-bit modes), the int8
+    GEMVs run W in tiles of rows per block of x: the same int8 reference, and a row's bits the
+    same alone, in a block and in the tiled form."""
+    from test_gemv_vnni import _quantize_x, _target
+
+    from localchat.engine.kernels import gemv
+
+    _target(isa)  # skips where the CPU lacks `isa`
+    k, n = 600, 128  # two tiles of 64 rows; 19 rows of x: 2 blocks of 8, then 2 and 1
+    rng, q4, dense4, q8, dense8 = _dense_asym(k, n, 9)
+    lib = _compile({
+        "asym": gemv.gemv_q4(k, n, "float32", isa, False, asym=True),
+        "q8": gemv.gemv_q8(k, n, "float32", isa, False),
+    })
+    x = rng.standard_normal((19, k), dtype=np.float32)
+    _check(lib, {"asym": (q4, dense4), "q8": (q8, dense8)}, x, None, n, 2e-6,
+           exact_x=_quantize_x(x, padded_k(k)), rows=(1, 8, 19))
 
 
 def test_float16_activations() -> None:

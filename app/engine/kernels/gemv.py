@@ -1018,20 +1018,38 @@ def gemv_q8_vnni_macro(
                 store(y, b, r0 + rr, row, _tree(f16[T.Ramp(rr * LANES, 1, LANES)], LANES, _add))
 
     @T.macro
+    def tail_blocks(w, s, b, y, xq, xs, xo, row, m):
+        """The rows of x after the whole blocks of `rows`, in blocks of 4, 2 and 1."""
+        if m % rows >= 4:
+            block(w, s, b, y, xq, xs, xo, row, m - m % rows, 4)
+        if m % 4 >= 2:
+            block(w, s, b, y, xq, xs, xo, row, m - m % 4, 2)
+        if m % 2 == 1:
+            block(w, s, b, y, xq, xs, xo, row, m - 1, 1)
+
+    nr = divisor(n, (TILE_ROWS, 32, 16, 8, 4, 2))
+
+    @T.macro
     def vnni(x, w, s, b, y, m):
         xq = T.alloc_buffer((m, kg * wpg), i32)
         xs = T.alloc_buffer((m, kg), F32)
         xo = T.alloc_buffer((m, kg * wpg if isa != "avx2" else 1), i32)
         prep(x, xq, xs, xo, m)
-        for row in T.parallel(n):
-            for rb in range(m // rows):
-                block(w, s, b, y, xq, xs, xo, row, rb * rows, rows)
-            if m % rows >= 4:
-                block(w, s, b, y, xq, xs, xo, row, m - m % rows, 4)
-            if m % 4 >= 2:
-                block(w, s, b, y, xq, xs, xo, row, m - m % 4, 2)
-            if m % 2 == 1:
-                block(w, s, b, y, xq, xs, xo, row, m - 1, 1)
+        if m > rows:
+            # Many rows (prefill, every matrix of the 8-bit modes): as in the 4-bit GEMV, a
+            # block of x meets a tile of `nr` rows of W before the next block, so it is read
+            # from L1; a row's operations are the same as untiled.
+            for tile in T.parallel(n // nr):
+                for rb in range(m // rows):
+                    for rr in range(nr):
+                        block(w, s, b, y, xq, xs, xo, tile * nr + rr, rb * rows, rows)
+                for rr in range(nr):
+                    tail_blocks(w, s, b, y, xq, xs, xo, tile * nr + rr, m)
+        else:
+            for row in T.parallel(n):
+                for rb in range(m // rows):
+                    block(w, s, b, y, xq, xs, xo, row, rb * rows, rows)
+                tail_blocks(w, s, b, y, xq, xs, xo, row, m)
 
     return vnni
 
