@@ -32,7 +32,7 @@ def _model(quant: str):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
-@pytest.mark.parametrize("quant", ["q4f16_1", "q0f16", "q4f16_asym"])
+@pytest.mark.parametrize("quant", ["q4f16_1", "q0f16", "q4f16_asym", "q8f16_0"])
 def test_cuda_library_cross_compiles(tmp_path: Path, quant: str) -> None:
     arch, cfg, mode = _model(quant)
     lib = compile_library(arch, cfg, mode, cuda_target("sm_80"), tmp_path)
