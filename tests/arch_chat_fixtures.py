@@ -110,16 +110,23 @@ def chat_source(arch: str) -> Path:
     if (out / "config.json").exists():
         return out
     im_end = Tokenizer.from_str(text).token_to_id("<|im_end|>")
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".chat-{arch}-"))
+    return write_chat_folder(variant, out, text, template, "<|im_end|>", im_end)
+
+
+def write_chat_folder(variant: Path, out: Path, tokenizer_json: str, template: str,
+                      eos_token: str, eos_ids: int | list[int]) -> Path:
+    """`out`: an HF folder of `variant`'s config (its end-of-turn ids `eos_ids`) and weights
+    (linked) with a tokenizer.json and a chat template, written aside and then renamed."""
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
     config: dict[str, Any] = json.loads((variant / "config.json").read_text())
-    config["eos_token_id"] = im_end
+    config["eos_token_id"] = eos_ids
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     (tmp / "model.safetensors").symlink_to(variant / "model.safetensors")
-    (tmp / "tokenizer.json").write_text(text, encoding="utf-8")
+    (tmp / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
     (tmp / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": template, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "chat_template": template, "eos_token": eos_token, "pad_token": "<|endoftext|>",
         "bos_token": None, "model_max_length": 512}, indent=2))
-    (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": im_end}))
+    (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_ids}))
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)

@@ -11,11 +11,9 @@ The tokenizer has no merges: each byte is a token (the 256 byte symbols are ids 
 from __future__ import annotations
 
 import hashlib
-import json
-import tempfile
 from pathlib import Path
-from typing import Any
 
+from arch_chat_fixtures import write_chat_folder
 from fixtures import _engine_digest, cache_dir, one_builder_at_a_time
 from moe_variants import build_variant
 
@@ -81,18 +79,7 @@ def harmony_chat_source() -> Path:
         return out
     tok = Tokenizer.from_str(text)
     stops = [tok.token_to_id("<|return|>"), tok.token_to_id("<|call|>")]
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".harmony-chat-"))
-    config: dict[str, Any] = json.loads((variant / "config.json").read_text())
-    config["eos_token_id"] = stops
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    (tmp / "model.safetensors").symlink_to(variant / "model.safetensors")
-    (tmp / "tokenizer.json").write_text(text, encoding="utf-8")
-    (tmp / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": TEMPLATE, "eos_token": "<|return|>", "pad_token": "<|endoftext|>",
-        "bos_token": None, "model_max_length": 512}, indent=2))
-    (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": stops}))
-    tmp.rename(out)
-    return out
+    return write_chat_folder(variant, out, text, TEMPLATE, "<|return|>", stops)
 
 
 @one_builder_at_a_time

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import openai
 
 from localchat.server.config import DEFAULT_PORT
 
@@ -50,6 +51,21 @@ def make_home(root: Path) -> Path:
     (home / "models" / MODEL).mkdir(parents=True)
     target = converted(smollm2_hf_dir(), "q0f32")
     (home / "models" / MODEL / "q0f32").symlink_to(target, target_is_directory=True)
+    return home
+
+
+def openai_client(server: Server, timeout: float = 300) -> openai.OpenAI:
+    """The official openai client for `server` (no key, no retries)."""
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                         timeout=timeout)
+
+
+def home_of(root: Path, models: dict[str, Path]) -> Path:
+    """A store under `root` holding each converted model folder as `name` (its q0f32, linked)."""
+    home = root / "home"
+    for name, folder in models.items():
+        (home / "models" / name).mkdir(parents=True)
+        (home / "models" / name / "q0f32").symlink_to(folder, target_is_directory=True)
     return home
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import openai
 import pytest
-from serve_helpers import Server, start_server, stop_server
+from serve_helpers import Server, home_of, openai_client, start_server, stop_server
 
 from arch_chat_fixtures import ARCHS, LONG_SYSTEM, SCHEMA, SYSTEM, TOOL, chat_model
 
@@ -25,10 +25,7 @@ from arch_chat_fixtures import ARCHS, LONG_SYSTEM, SCHEMA, SYSTEM, TOOL, chat_mo
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("serve-archs")
-    home = root / "home"
-    for arch in ARCHS:
-        (home / "models" / arch).mkdir(parents=True)
-        (home / "models" / arch / "q0f32").symlink_to(chat_model(arch), target_is_directory=True)
+    home = home_of(root, {arch: chat_model(arch) for arch in ARCHS})
     server = start_server(home, root / "server.log", "--max-models", str(len(ARCHS)),
                           "--max-concurrency", "4")
     yield server
@@ -37,8 +34,7 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def oai(srv: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0,
-                         timeout=300)
+    return openai_client(srv)
 
 
 def chat(oai: openai.OpenAI, arch: str, question: str, system: str = SYSTEM,

@@ -19,7 +19,7 @@ import anthropic
 import jsonschema
 import openai
 import pytest
-from serve_helpers import Server, start_server, stop_server
+from serve_helpers import Server, home_of, openai_client, start_server, stop_server
 
 from localchat.engine.harmony import HarmonyCall
 from localchat.server.tools import (
@@ -40,19 +40,14 @@ QUESTION = [{"role": "user", "content": "Which side?"}]
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("serve-harmony")
-    home = root / "home"
-    (home / "models" / MODEL).mkdir(parents=True)
-    (home / "models" / MODEL / "q0f32").symlink_to(harmony_chat_model(),
-                                                    target_is_directory=True)
-    server = start_server(home, root / "server.log")
+    server = start_server(home_of(root, {MODEL: harmony_chat_model()}), root / "server.log")
     yield server
     stop_server(server)
 
 
 @pytest.fixture(scope="module")
 def oai(srv: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0,
-                         timeout=300)
+    return openai_client(srv)
 
 
 def check_call(name: str, arguments: str | dict[str, Any]) -> None:
