@@ -28,8 +28,9 @@ from a module under it:
 - `resolve_template` (`engine/templates.py`): the chat template to use (a name, else the
   model directory's own, else a default);
 - structured output (`engine/grammar.py`): `normalize_response_format` (a `response_format`
-  value in its canonical form, or the error) and `json_schema_problem` (why a JSON Schema
-  does not compile, or None).
+  value in its canonical form, or the error), `json_schema_problem` (why a JSON Schema
+  does not compile, or None) and `harmony_call_grammar` (the grammar that makes a gpt-oss reply
+  one call to a given function).
 
 Each name loads its module on first use (`__getattr__`, as in `localchat`), so importing this
 package loads neither TVM nor numpy and `localchat --help` stays fast. A name is looked up in
@@ -61,7 +62,11 @@ if TYPE_CHECKING:
         device_present,
         select_device,
     )
-    from localchat.engine.grammar import json_schema_problem, normalize_response_format
+    from localchat.engine.grammar import (
+        harmony_call_grammar,
+        json_schema_problem,
+        normalize_response_format,
+    )
     from localchat.engine.runtime import Model
     from localchat.engine.templates import resolve_template
     from localchat.engine.threads import (
@@ -101,6 +106,7 @@ _LAZY = {
     "debug_model": "localchat.engine.debug",
     "DEBUG_PROMPT": "localchat.engine.debug",
     "DebugReport": "localchat.engine.debug",
+    "harmony_call_grammar": "localchat.engine.grammar",
     "json_schema_problem": "localchat.engine.grammar",
     "normalize_response_format": "localchat.engine.grammar",
 }
@@ -122,6 +128,7 @@ __all__ = [
     "ensure_threads",
     "get_quant_mode",
     "gguf_default_quantization",
+    "harmony_call_grammar",
     "has_tokenizer",
     "inspect_gguf",
     "is_gguf",

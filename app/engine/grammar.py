@@ -251,6 +251,24 @@ def _tag_lark(spec: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def harmony_call_grammar(functions: Iterable[tuple[str, Mapping[str, Any]]]) -> str:
+    """A Lark grammar (llguidance's dialect, in which `<|...|>` is a special token) for a
+    harmony reply (gpt-oss) that is one call to one of `functions` (name, JSON Schema of its
+    arguments): the prompt ends with `<|start|>assistant`; the reply is `<|channel|>commentary
+    to=functions.NAME <|constrain|>json<|message|>{...}`, the arguments under the schema, and
+    the stop token `<|call|>` ends it. For a response format {"type": "grammar", ...}."""
+    rules = []
+    for i, (name, schema) in enumerate(functions):
+        strict = {"x-guidance": JSON_OPTIONS, **strict_schema(dict(schema))}
+        rules.append(f'call_{i}: {_lark_literal(name)} " " <|constrain|> "json" <|message|> '
+                     f"%json {json.dumps(strict)}")
+    if not rules:
+        raise InvalidRequestError("a harmony call needs at least one function", "tools")
+    alternatives = " | ".join(f"call_{i}" for i in range(len(rules)))
+    start = f'start: <|channel|> "commentary to=functions." ({alternatives})'
+    return "\n".join(["%llguidance {}", start, *rules]) + "\n"
+
+
 def format_grammar(fmt: Mapping[str, Any]) -> str:
     """llguidance's grammar for a normalized format (not yet checked against a tokenizer);
     InvalidRequestError for what cannot be expressed."""

@@ -28,8 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from localchat.engine.grammar import JSON_OPTIONS, strict_schema
-from localchat.engine.harmony import HarmonyCall
+from localchat.engine import harmony_call_grammar
 from localchat.errors import InvalidRequestError
 
 HARMONY = "harmony"  # the tool-call style of OpenAI's harmony format (gpt-oss)
@@ -150,18 +149,10 @@ def call_format(style: str, mode: str, tools: Sequence[Tool]) -> dict[str, Any] 
 
 
 def harmony_call_format(tools: Sequence[Tool]) -> dict[str, Any]:
-    """A Lark grammar (llguidance's dialect: `<|...|>` is a special token) for a harmony reply
-    that is one call to one of `tools`, its arguments under the function's schema: the prompt
-    ends with `<|start|>assistant`, the reply is `<|channel|>commentary to=functions.NAME
-    <|constrain|>json<|message|>{...}`, and the stop token `<|call|>` ends it."""
-    rules = []
-    for i, tool in enumerate(tools):
-        schema = {"x-guidance": JSON_OPTIONS, **strict_schema(dict(tool.parameters))}
-        rules.append(f'call_{i}: {json.dumps(tool.name)} " " <|constrain|> "json" <|message|> '
-                     f"%json {json.dumps(schema)}")
-    alternatives = " | ".join(f"call_{i}" for i in range(len(tools)))
-    start = f'start: <|channel|> "commentary to={HARMONY_RECIPIENT}" ({alternatives})'
-    return {"type": "grammar", "grammar": "\n".join(["%llguidance {}", start, *rules]) + "\n"}
+    """The response format that makes a harmony reply one call to one of `tools`, its
+    arguments under the function's schema (`engine.harmony_call_grammar`)."""
+    grammar = harmony_call_grammar([(tool.name, tool.parameters) for tool in tools])
+    return {"type": "grammar", "grammar": grammar}
 
 
 def tool_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -207,9 +198,10 @@ class ToolCall:
         return out
 
 
-def harmony_tool_calls(calls: Sequence[HarmonyCall], tools: Sequence[Tool]) -> list[ToolCall]:
-    """A harmony reply's calls (`Reply.tool_calls`) that OpenAI's API can return: complete,
-    to `functions.<a known tool>`, with a JSON object for arguments (others are left out)."""
+def harmony_tool_calls(calls: Sequence[Any], tools: Sequence[Tool]) -> list[ToolCall]:
+    """A harmony reply's calls (`Reply.tool_calls`: the engine's HarmonyCall, with `recipient`,
+    `arguments` and `complete`) that OpenAI's API can return: complete, to `functions.<a known
+    tool>`, with a JSON object for arguments (others are left out)."""
     names = {t.name for t in tools}
     out = []
     for call in calls:
@@ -228,7 +220,7 @@ def harmony_tool_calls(calls: Sequence[HarmonyCall], tools: Sequence[Tool]) -> l
 
 
 def parse_calls(text: str, style: str, tools: Sequence[Tool],
-                harmony: Sequence[HarmonyCall] = ()) -> tuple[str, list[ToolCall]]:
+                harmony: Sequence[Any] = ()) -> tuple[str, list[ToolCall]]:
     """(content before the calls, the calls) in a reply's text; a text without a complete,
     known call is all content. A harmony model's calls are not in its text: they are
     `harmony`, the reply's `tool_calls`."""
