@@ -14,7 +14,7 @@ import hashlib
 from pathlib import Path
 
 from arch_chat_fixtures import write_chat_folder
-from fixtures import _engine_digest, cache_dir, one_builder_at_a_time
+from fixtures import cache_dir, converted, one_builder_at_a_time
 from moe_variants import build_variant
 
 VARIANT = "gpt-oss"
@@ -82,14 +82,7 @@ def harmony_chat_source() -> Path:
     return write_chat_folder(variant, out, text, TEMPLATE, "<|return|>", stops)
 
 
-@one_builder_at_a_time
 def harmony_chat_model() -> Path:
-    """The harmony chat model at q0f32, compiled (the library test_engine_gpt_oss.py's q0f32
-    model uses: the model config is the same)."""
-    from localchat.engine.build.convert import convert_model
-
-    src = harmony_chat_source()
-    out = cache_dir() / "converted" / f"{src.name}-q0f32-{_engine_digest()}"
-    if not (out / "localchat-config.json").exists():
-        convert_model(src, out, "q0f32", compile_for="cpu")
-    return out
+    """The harmony chat model at q0f32 (its library is test_engine_gpt_oss.py's q0f32 model's:
+    the model config is the same)."""
+    return converted(harmony_chat_source(), "q0f32")

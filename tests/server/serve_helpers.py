@@ -47,11 +47,8 @@ def free_port() -> int:
 
 
 def make_home(root: Path) -> Path:
-    home = root / "home"
-    (home / "models" / MODEL).mkdir(parents=True)
-    target = converted(smollm2_hf_dir(), "q0f32")
-    (home / "models" / MODEL / "q0f32").symlink_to(target, target_is_directory=True)
-    return home
+    """A store under `root` holding the real SmolLM2 at q0f32 as MODEL."""
+    return home_of(root, {MODEL: converted(smollm2_hf_dir(), "q0f32")})
 
 
 def openai_client(server: Server, timeout: float = 300) -> openai.OpenAI:
