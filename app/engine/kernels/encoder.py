@@ -242,6 +242,7 @@ def packed_attention(heads: int, head_dim: int, max_len: int, dtype: str,
         acc = T.alloc_buffer((Q_TILE, LANES), F32)
         oacc = T.alloc_buffer((Q_TILE, d), F32)
         st = T.alloc_buffer((Q_TILE, 2), F32)  # max, sum
+        mx = T.alloc_buffer((LANES,), F32)
         seg = w // heads
         h = w % heads
         s0 = T.Cast("int64", starts[seg])
@@ -271,9 +272,16 @@ def packed_attention(heads: int, head_dim: int, max_len: int, dtype: str,
                         sc[r, kb * LANES + e] = T.Select(visible(qt, r, kb * LANES + e, ln),
                                                          acc[r, e], T.float32(-3.0e38))
             for r in range(Q_TILE):
-                st[r, 0] = T.float32(-3.0e38)
-                for j in range(keys(qt, ln)):
-                    st[r, 0] = T.max(st[r, 0], sc[r, j])
+                # the row's max a vector at a time: the scores past its last key are -3e38
+                # (written so above), and a max is the same in any order
+                for e in T.vectorized(LANES):
+                    mx[e] = T.float32(-3.0e38)
+                for kb in range((keys(qt, ln) + LANES - 1) // LANES):
+                    for e in T.vectorized(LANES):
+                        mx[e] = T.max(mx[e], sc[r, kb * LANES + e])
+                st[r, 0] = mx[0]
+                for e in range(1, LANES):
+                    st[r, 0] = T.max(st[r, 0], mx[e])
                 for e in T.vectorized(LANES):
                     acc[r, e] = T.float32(0)
                 for kb in range((keys(qt, ln) + LANES - 1) // LANES):

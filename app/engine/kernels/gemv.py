@@ -301,6 +301,12 @@ XQ_WORDS_PER_GROUP = GROUP_SIZE // 4  # int8 x of one group: 32 bytes = 8 int32 
 NIBBLE_MASK = 0x0F0F0F0F  # the low nibble of each byte of a word
 
 
+def _many_rows(m) -> bool:
+    """Whether a macro's row count is the call's symbolic m (prefill) rather than decode's 1:
+    work per row of x is then worth a parallel loop."""
+    return not isinstance(m, int)
+
+
 def _add(a, b):
     return a + b
 
@@ -500,24 +506,32 @@ def gemv_q4_vnni_macro(
     has_f16, has_m16, has_f4, has_m4 = f16 > 0, m16 > f16, f4 > g4, m4 > f4
 
     @T.macro
+    def prep_row(x, xq, xs, xo, r):
+        if has_f16:
+            for g in range(f16):
+                prep_group(x, xq, xs, xo, r, g, g // ug * 8 * ug, ug, g % ug, False)
+        if has_m16:
+            for g in range(f16, m16):
+                prep_group(x, xq, xs, xo, r, g, g // ug * 8 * ug, ug, g % ug, True)
+        if has_f4:
+            for g in range(g4, f4):
+                prep_group(
+                    x, xq, xs, xo, r, g, (g4 + (g - g4) // 4 * 4) * 8, 4, (g - g4) % 4, False
+                )
+        if has_m4:
+            for g in range(f4, m4):
+                prep_group(
+                    x, xq, xs, xo, r, g, (g4 + (g - g4) // 4 * 4) * 8, 4, (g - g4) % 4, True
+                )
+
+    @T.macro
     def prep(x, xq, xs, xo, m):
-        for r in range(m):
-            if has_f16:
-                for g in range(f16):
-                    prep_group(x, xq, xs, xo, r, g, g // ug * 8 * ug, ug, g % ug, False)
-            if has_m16:
-                for g in range(f16, m16):
-                    prep_group(x, xq, xs, xo, r, g, g // ug * 8 * ug, ug, g % ug, True)
-            if has_f4:
-                for g in range(g4, f4):
-                    prep_group(
-                        x, xq, xs, xo, r, g, (g4 + (g - g4) // 4 * 4) * 8, 4, (g - g4) % 4, False
-                    )
-            if has_m4:
-                for g in range(f4, m4):
-                    prep_group(
-                        x, xq, xs, xo, r, g, (g4 + (g - g4) // 4 * 4) * 8, 4, (g - g4) % 4, True
-                    )
+        if _many_rows(m):
+            for r in T.parallel(m):
+                prep_row(x, xq, xs, xo, r)
+        else:
+            for r in range(m):
+                prep_row(x, xq, xs, xo, r)
 
     def chain(wl, xq, xo, r, g0, groups):
         acc = T.Broadcast(T.int32(0), groups) if asym else xo[r, T.Ramp(g0, 1, groups)]
@@ -865,8 +879,7 @@ def gemv_q8_macro(k: int, n: int, dtype: str, bias: bool):
     return body
 
 
-Q8_UNIT = 16  # groups per unit of the 8-bit VNNI GEMV: 512 weight bytes, 8 vectors
-SIGN_FLIP = 0x80808080  # xor: int8 bytes -> uint8 bytes + 128
+SIGN_FLIP = -0x7F7F7F80  # 0x80808080 as int32: xor turns int8 bytes into uint8 bytes + 128
 
 
 def gemv_q8_vnni_macro(
@@ -874,30 +887,29 @@ def gemv_q8_vnni_macro(
 ):
     """The 8-bit GEMV with int8 activations and AVX-512 VNNI, as a macro `(x, w, s, b, y, m)`
     over the buffers of `gemv_q8_macro`; `isa` "avx2": the same with `_dot_s8s8` (pmaddubsw on
-    |w| and x signed by w) in place of the flipped bytes and vpdpbusd.
+    |w| and x signed by w) in place of vpdpbusd.
 
     x is quantized once per call as in the 4-bit VNNI GEMV (per row and group of 32, int8 at scale
-    max |x| / 127), here in its natural order: xq word j of group g holds values 4 j .. 4 j + 3.
-    vpdpbusd multiplies unsigned by signed bytes, so the weight bytes are flipped to w + 128
-    (one xor per 64 bytes) and each accumulator lane starts at -128 times the sum of its 4 int8
-    x (xo, computed with xq): a lane then holds the exact dot product of 4 weights with 4 x.
-    One 64-byte vector is two groups (lanes 0-7 and 8-15); the lane's integer becomes float and
-    is multiplied by its group's weight scale times x scale (a unit of 16 groups loads the 16
-    weight scales once; each vector takes its two by a permute), into a 16-lane accumulator per
-    row of x. Groups left after the units of 16 go two at a time, and a last odd group in 8
-    lanes. Padding weights (past k, stored 0) meet x quantized to 0. Rows of x run in blocks of
-    `rows` sharing each loaded weight vector; a row's operations do not depend on the block."""
+    max |x| / 127), in its natural order: xq word j of group g holds values 4 j .. 4 j + 3.
+    vpdpbusd multiplies unsigned by signed bytes, so x is stored flipped to q + 128 (uint8) and
+    each accumulator lane starts at -128 times the sum of its 4 weights (wc, once per row of W
+    and block of x): a lane then holds the exact dot product of 4 weights with 4 x. One 64-byte
+    vector is two groups (lanes 0-7 and 8-15); the lane's integer becomes float and is
+    multiplied by its group's weight scale times x scale, both read as 16-lane vectors (x's
+    scales written 8 times each by the quantization, xe), into a 16-lane accumulator per row of
+    x; a last odd group runs in 8 lanes. Padding weights (past k, stored 0) meet x quantized to
+    0. Rows of x run in blocks of `rows` sharing each loaded weight vector and its wc and
+    scales; a row's operations do not depend on the block, nor on the tiling below."""
     kp = padded_k(k)
     kg = kp // GROUP_SIZE
     kfull = k // GROUP_SIZE
-    nu = kg // Q8_UNIT  # units of 16 groups
-    nc = kg % Q8_UNIT // 2  # pairs of groups after them
+    npairs = kg // 2  # vectors of two groups
     odd = kg % 2 == 1  # a last single group
-    g_pairs = nu * Q8_UNIT  # first group of the pairs
     g_odd = kg - 1
     wpg = GROUP_SIZE // 4  # int32 words of a group
     i32 = "int32"
     v32 = f"float32x{GROUP_SIZE}"
+    flip_x = isa != "avx2"  # vpdpbusd: x as uint8 (q + 128), started at -128 * sum(w)
 
     def xgroup(x, r, g, masked: bool):
         idx = T.Ramp(g * GROUP_SIZE, 1, GROUP_SIZE)
@@ -909,104 +921,93 @@ def gemv_q8_vnni_macro(
             T.Broadcast(T.float32(0), GROUP_SIZE),
         )
 
-    def quad_sums(qv):
-        """int32x8: lane j = qv[4 j] + ... + qv[4 j + 3]."""
-        total = None
-        for b in range(4):
-            part = tirx.Shuffle([qv], [4 * j + b for j in range(wpg)])
-            total = part if total is None else total + part
-        return total
-
     @T.macro
-    def prep_group(x, xq, xs, xo, r, g, masked):
+    def prep_group(x, xq, xe, r, g, masked):
         sc = T.alloc_buffer((2,), F32)
         qv = T.alloc_buffer((GROUP_SIZE,), i32)
         sc[0] = _tree(T.fabs(xgroup(x, r, g, masked)), GROUP_SIZE, T.max)
         sc[1] = T.Select(sc[0] > T.float32(0), T.float32(127) / sc[0], T.float32(0))
-        xs[r, g] = sc[0] / T.float32(127)
+        xe[r, T.Ramp(g * wpg, 1, wpg)] = T.Broadcast(sc[0] / T.float32(127), wpg)
         qv[T.Ramp(0, 1, GROUP_SIZE)] = T.Cast(
             f"int32x{GROUP_SIZE}",
             T.nearbyint(xgroup(x, r, g, masked) * T.Broadcast(sc[1], GROUP_SIZE)),
         )
-        xq[r, T.Ramp(g * wpg, 1, wpg)] = T.reinterpret(
-            f"int32x{wpg}", T.Cast(f"int8x{GROUP_SIZE}", qv[T.Ramp(0, 1, GROUP_SIZE)])
-        )
-        if isa != "avx2":
-            xo[r, T.Ramp(g * wpg, 1, wpg)] = quad_sums(
-                qv[T.Ramp(0, 1, GROUP_SIZE)]
-            ) * T.Broadcast(T.int32(-128), wpg)
+        if flip_x:
+            xq[r, T.Ramp(g * wpg, 1, wpg)] = T.bitwise_xor(
+                T.reinterpret(f"int32x{wpg}", T.Cast(f"int8x{GROUP_SIZE}",
+                                                     qv[T.Ramp(0, 1, GROUP_SIZE)])),
+                T.Broadcast(T.int32(SIGN_FLIP), wpg),
+            )
+        else:
+            xq[r, T.Ramp(g * wpg, 1, wpg)] = T.reinterpret(
+                f"int32x{wpg}", T.Cast(f"int8x{GROUP_SIZE}", qv[T.Ramp(0, 1, GROUP_SIZE)])
+            )
 
     @T.macro
-    def prep(x, xq, xs, xo, m):
-        for r in range(m):
-            for g in range(kfull):
-                prep_group(x, xq, xs, xo, r, g, False)
-            if kg > kfull:
-                prep_group(x, xq, xs, xo, r, kfull, True)
+    def prep_row(x, xq, xe, r):
+        for g in range(kfull):
+            prep_group(x, xq, xe, r, g, False)
+        if kg > kfull:
+            prep_group(x, xq, xe, r, kfull, True)
+
+    @T.macro
+    def prep(x, xq, xe, m):
+        if _many_rows(m):
+            for r in T.parallel(m):
+                prep_row(x, xq, xe, r)
+        else:
+            for r in range(m):
+                prep_row(x, xq, xe, r)
 
     def wvec(w, row, byte0, lanes):
-        """`lanes` words of row `row` of W from byte byte0, as unsigned bytes w + 128."""
-        words = T.reinterpret(f"uint32x{lanes}", w[row, T.Ramp(byte0, 1, 4 * lanes)])
-        if isa == "avx2":
-            return words
-        return T.bitwise_xor(words, T.Broadcast(T.uint32(SIGN_FLIP), lanes))
+        """`lanes` words of row `row` of W from byte byte0 (4 signed bytes each)."""
+        return T.reinterpret(f"uint32x{lanes}", w[row, T.Ramp(byte0, 1, 4 * lanes)])
 
-    def dot(wl, xq, xo, r, word0, lanes):
-        if isa == "avx2":
-            return T.Cast(f"float32x{lanes}", _dot_s8s8(wl, xq[r, T.Ramp(word0, 1, lanes)], lanes))
-        return T.Cast(
-            f"float32x{lanes}",
-            _dpbusd(xo[r, T.Ramp(word0, 1, lanes)], wl, xq[r, T.Ramp(word0, 1, lanes)], lanes),
-        )
+    def wsums(wv, lanes):
+        """-128 times the sum of each word's 4 signed bytes: vpdpbusd's start for flipped x."""
+        zero = T.Broadcast(T.int32(0), lanes)
+        return zero - _dpbusd(zero, T.Broadcast(T.int32(SIGN_FLIP), lanes), wv, lanes)
 
-    def pair_lanes(vec, g):
-        """float32x16: lanes 0-7 take vec's lane g, lanes 8-15 lane g + 1."""
-        return tirx.Shuffle([vec], [g] * 8 + [g + 1] * 8)
+    def dot(wv, wc, xq, r, word0, lanes):
+        xw = xq[r, T.Ramp(word0, 1, lanes)]
+        if isa == "avx2":
+            return T.Cast(f"float32x{lanes}", _dot_s8s8(wv, xw, lanes))
+        return T.Cast(f"float32x{lanes}", _dpbusd(wc, xw, wv, lanes))
 
     store = _store_macro(dtype, bias)
 
     @T.macro
-    def block(w, s, b, y, xq, xs, xo, row, r0, nrows):
-        wl = T.alloc_buffer((8 * LANES,), "uint32")
-        sl = T.alloc_buffer((LANES,), F32)
-        cb = T.alloc_buffer((LANES,), F32)
+    def block(w, s, b, y, xq, xe, row, r0, nrows):
+        wv = T.alloc_buffer((LANES,), "uint32")
+        wc = T.alloc_buffer((LANES,), i32)
+        se = T.alloc_buffer((LANES,), F32)
         f16 = T.alloc_buffer((nrows * LANES,), F32)
         f8 = T.alloc_buffer((nrows * 8,), F32)
         for a in T.unroll(nrows):
             f16[T.Ramp(a * LANES, 1, LANES)] = T.Broadcast(T.float32(0), LANES)
             f8[T.Ramp(a * 8, 1, 8)] = T.Broadcast(T.float32(0), 8)
-        for u in range(nu):
-            for v in T.unroll(8):
-                wl[T.Ramp(v * LANES, 1, LANES)] = wvec(w, row, u * 512 + v * 64, LANES)
-            sl[T.Ramp(0, 1, LANES)] = T.Cast(
-                f"float32x{LANES}", s[row, T.Ramp(u * Q8_UNIT, 1, LANES)]
+        for c in range(npairs):
+            wv[T.Ramp(0, 1, LANES)] = wvec(w, row, c * 2 * GROUP_SIZE, LANES)
+            if flip_x:
+                wc[T.Ramp(0, 1, LANES)] = wsums(wv[T.Ramp(0, 1, LANES)], LANES)
+            se[T.Ramp(0, 1, LANES)] = tirx.Shuffle(
+                [T.Broadcast(T.Cast(F32, s[row, 2 * c + h]), 8) for h in range(2)],
+                list(range(LANES)),
             )
             for rr in T.unroll(nrows):
-                cb[T.Ramp(0, 1, LANES)] = sl[T.Ramp(0, 1, LANES)] * xs[
-                    r0 + rr, T.Ramp(u * Q8_UNIT, 1, LANES)
-                ]
-                for v in T.unroll(8):
-                    f16[T.Ramp(rr * LANES, 1, LANES)] = f16[T.Ramp(rr * LANES, 1, LANES)] + dot(
-                        wl[T.Ramp(v * LANES, 1, LANES)], xq, xo, r0 + rr,
-                        u * Q8_UNIT * wpg + v * LANES, LANES,
-                    ) * pair_lanes(cb[T.Ramp(0, 1, LANES)], 2 * v)
-        for c in range(nc):
-            wl[T.Ramp(0, 1, LANES)] = wvec(w, row, (g_pairs + 2 * c) * GROUP_SIZE, LANES)
-            sl[0] = T.Cast(F32, s[row, g_pairs + 2 * c])
-            sl[1] = T.Cast(F32, s[row, g_pairs + 2 * c + 1])
-            for rr in T.unroll(nrows):
-                cb[T.Ramp(0, 1, 2)] = sl[T.Ramp(0, 1, 2)] * xs[
-                    r0 + rr, T.Ramp(g_pairs + 2 * c, 1, 2)
-                ]
                 f16[T.Ramp(rr * LANES, 1, LANES)] = f16[T.Ramp(rr * LANES, 1, LANES)] + dot(
-                    wl[T.Ramp(0, 1, LANES)], xq, xo, r0 + rr, (g_pairs + 2 * c) * wpg, LANES
-                ) * pair_lanes(cb[T.Ramp(0, 1, LANES)], 0)
+                    wv[T.Ramp(0, 1, LANES)], wc[T.Ramp(0, 1, LANES)], xq, r0 + rr,
+                    c * LANES, LANES,
+                ) * (se[T.Ramp(0, 1, LANES)] * xe[r0 + rr, T.Ramp(c * LANES, 1, LANES)])
         if odd:
-            wl[T.Ramp(0, 1, 8)] = wvec(w, row, g_odd * GROUP_SIZE, 8)
+            wv[T.Ramp(0, 1, 8)] = wvec(w, row, g_odd * GROUP_SIZE, 8)
+            if flip_x:
+                wc[T.Ramp(0, 1, 8)] = wsums(wv[T.Ramp(0, 1, 8)], 8)
+            se[T.Ramp(0, 1, 8)] = T.Broadcast(T.Cast(F32, s[row, g_odd]), 8)
             for rr in T.unroll(nrows):
                 f8[T.Ramp(rr * 8, 1, 8)] = f8[T.Ramp(rr * 8, 1, 8)] + dot(
-                    wl[T.Ramp(0, 1, 8)], xq, xo, r0 + rr, g_odd * wpg, 8
-                ) * T.Broadcast(T.Cast(F32, s[row, g_odd]) * xs[r0 + rr, g_odd], 8)
+                    wv[T.Ramp(0, 1, 8)], wc[T.Ramp(0, 1, 8)], xq, r0 + rr, g_odd * wpg, 8
+                ) * (se[T.Ramp(0, 1, 8)] * xe[r0 + rr, T.Ramp(g_odd * wpg, 1, 8)])
         for rr in range(nrows):
             if odd:
                 store(
@@ -1018,23 +1019,22 @@ def gemv_q8_vnni_macro(
                 store(y, b, r0 + rr, row, _tree(f16[T.Ramp(rr * LANES, 1, LANES)], LANES, _add))
 
     @T.macro
-    def tail_blocks(w, s, b, y, xq, xs, xo, row, m):
+    def tail_blocks(w, s, b, y, xq, xe, row, m):
         """The rows of x after the whole blocks of `rows`, in blocks of 4, 2 and 1."""
         if m % rows >= 4:
-            block(w, s, b, y, xq, xs, xo, row, m - m % rows, 4)
+            block(w, s, b, y, xq, xe, row, m - m % rows, 4)
         if m % 4 >= 2:
-            block(w, s, b, y, xq, xs, xo, row, m - m % 4, 2)
+            block(w, s, b, y, xq, xe, row, m - m % 4, 2)
         if m % 2 == 1:
-            block(w, s, b, y, xq, xs, xo, row, m - 1, 1)
+            block(w, s, b, y, xq, xe, row, m - 1, 1)
 
     nr = divisor(n, (TILE_ROWS, 32, 16, 8, 4, 2))
 
     @T.macro
     def vnni(x, w, s, b, y, m):
         xq = T.alloc_buffer((m, kg * wpg), i32)
-        xs = T.alloc_buffer((m, kg), F32)
-        xo = T.alloc_buffer((m, kg * wpg if isa != "avx2" else 1), i32)
-        prep(x, xq, xs, xo, m)
+        xe = T.alloc_buffer((m, kg * wpg), F32)
+        prep(x, xq, xe, m)
         if m > rows:
             # Many rows (prefill, every matrix of the 8-bit modes): as in the 4-bit GEMV, a
             # block of x meets a tile of `nr` rows of W before the next block, so it is read
@@ -1042,14 +1042,14 @@ def gemv_q8_vnni_macro(
             for tile in T.parallel(n // nr):
                 for rb in range(m // rows):
                     for rr in range(nr):
-                        block(w, s, b, y, xq, xs, xo, tile * nr + rr, rb * rows, rows)
+                        block(w, s, b, y, xq, xe, tile * nr + rr, rb * rows, rows)
                 for rr in range(nr):
-                    tail_blocks(w, s, b, y, xq, xs, xo, tile * nr + rr, m)
+                    tail_blocks(w, s, b, y, xq, xe, tile * nr + rr, m)
         else:
             for row in T.parallel(n):
                 for rb in range(m // rows):
-                    block(w, s, b, y, xq, xs, xo, row, rb * rows, rows)
-                tail_blocks(w, s, b, y, xq, xs, xo, row, m)
+                    block(w, s, b, y, xq, xe, row, rb * rows, rows)
+                tail_blocks(w, s, b, y, xq, xe, row, m)
 
     return vnni
 
