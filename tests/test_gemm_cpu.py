@@ -31,9 +31,10 @@ def _compiled(func: tvm.tirx.PrimFunc) -> tvm.runtime.Executable:
     return tvm.compile(mod, TARGET)
 
 
-def _run(func: tvm.tirx.PrimFunc, x: np.ndarray, *weights: np.ndarray) -> np.ndarray:
-    """y = func(x, *weights), y filled with NaN first so a skipped element shows."""
-    n = weights[0].shape[0]  # the rows of w, or of the 4-bit words
+def _run(func: tvm.tirx.PrimFunc, x: np.ndarray, *weights: np.ndarray, n: int = 0) -> np.ndarray:
+    """y = func(x, *weights), y filled with NaN first so a skipped element shows; `n`: y's
+    columns (default: the rows of w, or of the 4-bit words)."""
+    n = n or weights[0].shape[0]
     y = tvm.runtime.tensor(np.full((x.shape[0], n), np.nan, x.dtype), DEV)
     args = [tvm.runtime.tensor(np.ascontiguousarray(a), DEV) for a in (x, *weights)]
     _compiled(func)["main"](*args, y)
@@ -169,9 +170,12 @@ def test_a_row_has_the_same_bits_in_any_batch(case: str) -> None:
 
 def test_prefill_linears_run_the_gemm() -> None:
     """Prefill's Linears (`matmul.linear_f`, `matmul.linear_q4`) are these kernels."""
-    assert matmul.linear_f(384, 48, "float32", True).same_as(gemm.gemm_f(384, 48, "float32", True))
+    assert matmul.linear_f(384, 48, "float32", True).same_as(
+        gemm.gemm_f(384, 48, "float32", True, False))
+    assert matmul.linear_f(384, 48, "float32", True, True).same_as(
+        gemm.gemm_f(384, 48, "float32", True, True))
     assert matmul.linear_q4(384, 48, "float32", False, True).same_as(
-        gemm.gemm_q4(384, 48, "float32", False, True, None))
+        gemm.gemm_q4(384, 48, "float32", False, True, None, False))
 
 
 def test_llvm_output_uses_fma_vectors_and_no_gathers() -> None:
@@ -185,3 +189,31 @@ def test_llvm_output_uses_fma_vectors_and_no_gathers() -> None:
         fmas = re.findall(r"vfmadd\w*ps\s+[^\n]*%([yz])mm", asm)
         assert len(fmas) >= 2 * gemm.MR  # at least one micro-kernel's worth
         assert "gather" not in asm
+
+
+WIDE_CASES = [  # (kind, k, n): n 7 one micro-panel, 48 three (a pair and a single), 80 a
+    # block of four and a block of one, 1536 many tasks of four
+    ("f32", 17, 7), ("f32", 1000, 1536), ("f16", 384, 48), ("q4-asym", 384, 80),
+    ("panels", 384, 80),
+]
+
+
+@pytest.mark.parametrize("kind,k,n", WIDE_CASES, ids=[f"{c}-k{k}-n{n}" for c, k, n in WIDE_CASES])
+def test_wide_micro_kernel_gives_the_same_bits(kind: str, k: int, n: int) -> None:
+    """AVX-512's micro-kernel spanning two micro-panels (`wide`, 12 accumulators) runs every
+    output in the same chain as the one-panel kernel: equal bit for bit, with an odd count of
+    micro-panels left for a single one, over row tails and several tasks."""
+    dtype = "float16" if kind == "f16" else "float32"
+    x, w, b = _data(gemm.MC + 13, k, n, seed=k + n, dtype=dtype)
+    weights: tuple[np.ndarray, ...] = (w, b)
+    if kind == "q4-asym":
+        weights = (*quantize_q4_asym(w), b)
+        narrow, wide = (gemm.gemm_q4(k, n, dtype, True, asym=True, wide=v) for v in (False, True))
+    elif kind == "panels":
+        weights = (gemm.weight_panels(w), b)
+        narrow, wide = (gemm.gemm_f_panels(k, n, dtype, True, v) for v in (False, True))
+    else:
+        narrow, wide = (gemm.gemm_f(k, n, dtype, True, v) for v in (False, True))
+    for m in (1, 5, 16, gemm.MC + 13):
+        np.testing.assert_array_equal(_bits(_run(wide, x[:m], *weights, n=n)),
+                                      _bits(_run(narrow, x[:m], *weights, n=n)), err_msg=f"m={m}")

@@ -32,6 +32,7 @@ __all__ = [
     "divisor",
     "exp2",
     "gemv_isa",
+    "wide_registers",
     "has_avx2",
     "has_avx512",
     "has_avx512_vnni",
@@ -129,6 +130,12 @@ def gemv_isa(target: Target) -> bool | str:
     if has_avx512(target):
         return True
     return "avx2" if has_avx2(target) else False
+
+
+def wide_registers(isa: bool | str) -> bool:
+    """Whether a `gemv_isa` value means AVX-512 (32 vector registers: `gemm`'s wide
+    micro-kernel)."""
+    return isa is True or isa == "vnni"
 
 
 def int8_activations(target: Target) -> bool:

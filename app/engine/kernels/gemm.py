@@ -42,23 +42,28 @@ NR = 16  # columns (rows of W) per micro-kernel: one float32 vector of 16 lanes
 NB = 64  # columns per task: NB / NR micro-panels, packed together per K block
 MC = 80 * MR  # most rows of X per task (a multiple of MR): one packed W block serves them all
 assert MR == 6, "gemm's tail macro has one branch per tail size 1..MR-1"
+# With AVX-512's 32 registers a micro-kernel spans two micro-panels: 12 accumulators, enough
+# independent FMA chains to cover the FMA latency (6 leave a quarter of the issue slots idle);
+# AVX2's 6 x 16 tile is already 12 ymm of its 16 registers. Each output is the same chain.
+WIDE_SPAN = 2
 KC = 256  # reduction block: a packed micro-panel (KC x NR) stays in L1 across the row tiles
 
 
 @functools.cache  # parsing the TVMScript is most of a model's export time
-def gemm_f(k: int, n: int, dtype: str, bias: bool) -> tirx.PrimFunc:
+def gemm_f(k: int, n: int, dtype: str, bias: bool, wide: bool = False) -> tirx.PrimFunc:
     """Y[m, n] = X[m, k] @ W[n, k]^T (+ b), float weights of `dtype`, fp32 accumulation.
-    Arguments (x [m, k], w [n, k], [b [n]], y [m, n]), all of `dtype`."""
-    return _gemm(k, n, dtype, bias, "float")
+    Arguments (x [m, k], w [n, k], [b [n]], y [m, n]), all of `dtype`. `wide`: the micro-kernel
+    spans two micro-panels (`WIDE_SPAN`), for targets with 32 vector registers (AVX-512)."""
+    return _gemm(k, n, dtype, bias, "float", wide=wide)
 
 
 @functools.cache
-def gemm_f_panels(k: int, n: int, dtype: str, bias: bool) -> tirx.PrimFunc:
+def gemm_f_panels(k: int, n: int, dtype: str, bias: bool, wide: bool = False) -> tirx.PrimFunc:
     """`gemm_f` on weights laid out at convert time as the micro-kernel reads them
     (`weight_panels`): W [ceil(n / NR), k, NR], so no call packs them. The same chains, so
     the same bits as `gemm_f`; what it saves is the packing, as costly as the FMAs at 16 rows.
-    Arguments (x [m, k], w, [b [n]], y [m, n]), all of `dtype`."""
-    return _gemm(k, n, dtype, bias, "panels")
+    Arguments (x [m, k], w, [b [n]], y [m, n]), all of `dtype`; `wide` as `gemm_f`'s."""
+    return _gemm(k, n, dtype, bias, "panels", wide=wide)
 
 
 def weight_panels(weight: np.ndarray) -> np.ndarray:
@@ -71,13 +76,14 @@ def weight_panels(weight: np.ndarray) -> np.ndarray:
 
 @functools.cache
 def gemm_q4(
-    k: int, n: int, dtype: str, bias: bool, asym: bool = False, scale_dtype: str | None = None
+    k: int, n: int, dtype: str, bias: bool, asym: bool = False, scale_dtype: str | None = None,
+    wide: bool = False,
 ) -> tirx.PrimFunc:
     """Y[m, n] = X[m, k] @ dequant(Wq[n, kp/8], S)^T (+ b), kp = `padded_k(k)`: symmetric
     (q - 8) * scale with S [n, kp/32] of `scale_dtype` (default `dtype`), or with `asym`
     q * scale + min with S [n, 2 kp/32] of `scale_dtype` (default float16; scale and min side by
-    side). The arguments of `matmul.linear_q4`."""
-    return _gemm(k, n, dtype, bias, "q4_asym" if asym else "q4", scale_dtype)
+    side). The arguments of `matmul.linear_q4`; `wide` as `gemm_f`'s."""
+    return _gemm(k, n, dtype, bias, "q4_asym" if asym else "q4", scale_dtype, wide)
 
 
 def _nibble(w, j, kk):
@@ -94,8 +100,10 @@ def _nibble(w, j, kk):
 
 
 def _gemm(
-    k: int, n: int, dtype: str, bias: bool, kind: str, scale_dtype: str | None = None
+    k: int, n: int, dtype: str, bias: bool, kind: str, scale_dtype: str | None = None,
+    wide: bool = False,
 ) -> tirx.PrimFunc:
+    span = WIDE_SPAN if wide else 1  # micro-panels per micro-kernel
     nb = min(NB, -(-n // NR) * NR)  # columns per task, a multiple of NR
     npan = nb // NR
     nblocks = -(-n // nb)
@@ -156,38 +164,41 @@ def _gemm(
         return wp[jr, kk, e]
 
     @T.macro
-    def micro(x, xp, w, wp, cb, r0, j0, k0, t, rows, i0, jr, klen):
-        # rows x NR accumulators; the loops are unrolled so LLVM keeps `acc` in registers
-        acc = T.alloc_buffer((MR, NR), F32)
+    def micro(x, xp, w, wp, cb, r0, j0, k0, t, rows, i0, jr, klen, span):
+        # rows x (span x NR) accumulators, micro-panels jr .. jr + span - 1; the loops are
+        # unrolled so LLVM keeps `acc` in registers
+        acc = T.alloc_buffer((MR, span * NR), F32)
         for ii in T.unroll(rows):
-            for e in T.vectorized(NR):
-                acc[ii, e] = cb[t * MR + i0 + ii, jr * NR + e]
+            for p in T.unroll(span):
+                for e in T.vectorized(NR):
+                    acc[ii, p * NR + e] = cb[t * MR + i0 + ii, (jr + p) * NR + e]
         for kk in range(klen):
             for ii in T.unroll(rows):
-                for e in T.vectorized(NR):
-                    acc[ii, e] = (
-                        acc[ii, e]
-                        + xv(x, xp, r0, t * MR + i0 + ii, k0, kk) * wv(w, wp, j0, jr, k0, kk, e)
-                    )
+                for p in T.unroll(span):
+                    for e in T.vectorized(NR):
+                        acc[ii, p * NR + e] = acc[ii, p * NR + e] + xv(
+                            x, xp, r0, t * MR + i0 + ii, k0, kk
+                        ) * wv(w, wp, j0, jr + p, k0, kk, e)
         for ii in T.unroll(rows):
-            for e in T.vectorized(NR):
-                cb[t * MR + i0 + ii, jr * NR + e] = acc[ii, e]
+            for p in T.unroll(span):
+                for e in T.vectorized(NR):
+                    cb[t * MR + i0 + ii, (jr + p) * NR + e] = acc[ii, p * NR + e]
 
     @T.macro
-    def tail(x, xp, w, wp, cb, r0, j0, k0, rows, jr, klen):
+    def tail(x, xp, w, wp, cb, r0, j0, k0, rows, jr, klen, span):
         # The rows past the last full tile, together: one row alone keeps only two vector
         # accumulators busy (FMA latency, not throughput, bounds it), and in a 16-row batch
         # the 4 tail rows cost more than the 12 others. Each output is still its own chain.
         if rows % MR == 1:
-            micro(x, xp, w, wp, cb, r0, j0, k0, rows // MR, 1, 0, jr, klen)
+            micro(x, xp, w, wp, cb, r0, j0, k0, rows // MR, 1, 0, jr, klen, span)
         elif rows % MR == 2:
-            micro(x, xp, w, wp, cb, r0, j0, k0, rows // MR, 2, 0, jr, klen)
+            micro(x, xp, w, wp, cb, r0, j0, k0, rows // MR, 2, 0, jr, klen, span)
         elif rows % MR == 3:
-            micro(x, xp, w, wp, cb, r0, j0, k0, rows // MR, 3, 0, jr, klen)
+            micro(x, xp, w, wp, cb, r0, j0, k0, rows // MR, 3, 0, jr, klen, span)
         elif rows % MR == 4:
-            micro(x, xp, w, wp, cb, r0, j0, k0, rows // MR, 4, 0, jr, klen)
+            micro(x, xp, w, wp, cb, r0, j0, k0, rows // MR, 4, 0, jr, klen, span)
         elif rows % MR == 5:
-            micro(x, xp, w, wp, cb, r0, j0, k0, rows // MR, 5, 0, jr, klen)
+            micro(x, xp, w, wp, cb, r0, j0, k0, rows // MR, 5, 0, jr, klen, span)
 
     @T.macro
     def block(x, w, s, xp, wp, cb, r0, rows, j0, cols, k0, klen, used):
@@ -196,10 +207,16 @@ def _gemm(
         if not panels:
             pack_w(wp, w, s, j0, cols, k0, klen)
         pack_x(xp, x, r0, rows, k0, klen)
-        for jr in range(used):
+        for jw in range(used // span):
             for t in range(rows // MR):
-                micro(x, xp, w, wp, cb, r0, j0, k0, t, MR, 0, jr, klen)
-            tail(x, xp, w, wp, cb, r0, j0, k0, rows, jr, klen)
+                micro(x, xp, w, wp, cb, r0, j0, k0, t, MR, 0, jw * span, klen, span)
+            tail(x, xp, w, wp, cb, r0, j0, k0, rows, jw * span, klen, span)
+        if span > 1:
+            # a last single micro-panel (an odd count)
+            if used % span == 1:
+                for t in range(rows // MR):
+                    micro(x, xp, w, wp, cb, r0, j0, k0, t, MR, 0, used - 1, klen, 1)
+                tail(x, xp, w, wp, cb, r0, j0, k0, rows, used - 1, klen, 1)
 
     def out(cb, b, i, j0, jj):
         v = cb[i, jj]

@@ -18,21 +18,24 @@ from tvm import tirx
 from localchat.engine.kernels import gemm
 
 
-def linear_f(k: int, n: int, dtype: str, bias: bool) -> tirx.PrimFunc:
-    """Y[m, n] = X[m, k] @ W[n, k]^T (+ b) with float weights of `dtype`, fp32 accumulation."""
-    return gemm.gemm_f(k, n, dtype, bias)
+def linear_f(k: int, n: int, dtype: str, bias: bool, wide: bool = False) -> tirx.PrimFunc:
+    """Y[m, n] = X[m, k] @ W[n, k]^T (+ b) with float weights of `dtype`, fp32 accumulation;
+    `wide`: for AVX-512 (`gemm.gemm_f`)."""
+    return gemm.gemm_f(k, n, dtype, bias, wide)
 
 
-def linear_f_panels(k: int, n: int, dtype: str, bias: bool) -> tirx.PrimFunc:
+def linear_f_panels(k: int, n: int, dtype: str, bias: bool, wide: bool = False
+                    ) -> tirx.PrimFunc:
     """`linear_f` on weights stored as `gemm.weight_panels` lays them out (the encoders')."""
-    return gemm.gemm_f_panels(k, n, dtype, bias)
+    return gemm.gemm_f_panels(k, n, dtype, bias, wide)
 
 
 def linear_q4(
-    k: int, n: int, dtype: str, bias: bool, asym: bool = False, scale_dtype: str | None = None
+    k: int, n: int, dtype: str, bias: bool, asym: bool = False, scale_dtype: str | None = None,
+    wide: bool = False,
 ) -> tirx.PrimFunc:
     """Y[m, n] = X[m, k] @ dequant(Wq[n, kp/8], S)^T (+ b), kp = `padded_k(k)`, dequantized
     in-kernel. `asym`: the asymmetric modes' weights, q * scale + min, S [n, 2 kp/32] holding each
     group's scale and min side by side; otherwise (q - 8) * S, S [n, kp/32]. S is of
     `scale_dtype` (default: float16 with `asym`, else `dtype`)."""
-    return gemm.gemm_q4(k, n, dtype, bias, asym, scale_dtype)
+    return gemm.gemm_q4(k, n, dtype, bias, asym, scale_dtype, wide)

@@ -37,7 +37,7 @@ from tvm.target import Target
 from localchat.engine.build.quantization import GROUP_SIZE, NIBBLES_PER_WORD, QuantMode, padded_k
 from localchat.engine.kernels import elementwise, matmul
 from localchat.engine.kernels import gemv as gemv_kernels
-from localchat.engine.kernels.common import gemv_isa
+from localchat.engine.kernels.common import gemv_isa, wide_registers
 from localchat.engine.kernels.gemm import NR as PANEL_WIDTH
 
 Q8_DTYPE = "int8"  # the 8-bit layout's weight dtype (the 4-bit one's is uint32 words)
@@ -139,20 +139,23 @@ class Linear(nn.Module):
 
     def forward(self, x: nn.Tensor, gemv: bool = False) -> nn.Tensor:
         if self.panels:
-            return _linear_panels(x, self.weight, self.bias, self.out_features)
+            return _linear_panels(x, self.weight, self.bias, self.out_features,
+                                  wide_registers(self.avx512))
         return linear(
             x, self.weight, self.scale, self.bias, self.mode, self.target_kind, self.avx512, gemv
         )
 
 
-def _linear_panels(x: nn.Tensor, weight: nn.Tensor, bias: nn.Tensor | None, n: int) -> nn.Tensor:
-    """x [..., K] times a float weight stored as panels [ceil(n / 16), K, 16], on the CPU."""
+def _linear_panels(x: nn.Tensor, weight: nn.Tensor, bias: nn.Tensor | None, n: int,
+                   wide: bool) -> nn.Tensor:
+    """x [..., K] times a float weight stored as panels [ceil(n / 16), K, 16], on the CPU
+    (`wide`: AVX-512's micro-kernel, `gemm.gemm_f`)."""
     k = x.shape[-1]
     lead = list(x.shape[:-1])
     rows = 1
     for d in lead:
         rows = rows * d
-    func = matmul.linear_f_panels(int(k), n, str(x.dtype), bias is not None)
+    func = matmul.linear_f_panels(int(k), n, str(x.dtype), bias is not None, wide)
     out = op.tensor_ir_op(
         func, "linear", args=[op.reshape(x, (rows, k)), weight] + ([bias] if bias else []),
         out=nn.Tensor.placeholder((rows, n), x.dtype))
@@ -201,9 +204,11 @@ def linear(
             func = gemv_kernels.gemv_q4(int(k), int(n), mode.dtype, avx512, bias is not None, asym,
                                         sdt)
         elif mode.quantized:
-            func = matmul.linear_q4(int(k), int(n), mode.dtype, bias is not None, asym, sdt)
+            func = matmul.linear_q4(int(k), int(n), mode.dtype, bias is not None, asym, sdt,
+                                    wide_registers(avx512))
         else:
-            func = matmul.linear_f(int(k), int(n), mode.dtype, bias is not None)
+            func = matmul.linear_f(int(k), int(n), mode.dtype, bias is not None,
+                                   wide_registers(avx512))
         args = (
             [x2, weight]
             + ([scale] if scale is not None else [])
