@@ -10,8 +10,9 @@ task walks K in blocks of KC and, per block,
 * reads its X rows in place when they are float32 (the MR rows a micro-kernel walks, MR x KC
   floats, stay in L1), or converts them once per block into a float32 scratch [MC, KC];
 * runs the micro-kernel: MR rows x NR columns of accumulators (6 x 16 floats: 12 ymm registers
-  with AVX2, 6 zmm with AVX-512) held in registers across the block, each k one broadcast of
-  x[i, k] per row and one FMA per accumulator vector. The accumulators live in a float32 scratch
+  with AVX2, 6 zmm with AVX-512; `wide`, for AVX-512, two micro-panels at once: 12 zmm) held in
+  registers across the block, each k one broadcast of x[i, k] per row and one FMA per
+  accumulator vector. The accumulators live in a float32 scratch
   C [MC, NB] between K blocks (a store and a reload are exact).
 
 Bit-identical rows whatever m is: every output y[i, j] is one float32 accumulator that starts at
@@ -21,9 +22,9 @@ MR run together in a smaller tile, each the same chain, so where a row lands (wh
 tile, a tail or not) changes nothing in its bits. Columns past n in the last W block are packed
 as zeros and never written back.
 
-All tile sizes are compile-time constants, independent of m and of the target: on AVX-512 the
-16-float vector is one zmm, on AVX2 two ymm (the LLVM output is checked for vfmadd on ymm/zmm and
-for no gathers in tests/test_gemm_cpu.py).
+All tile sizes are compile-time constants, independent of m and, but for `wide`, of the target:
+on AVX-512 the 16-float vector is one zmm, on AVX2 two ymm (the LLVM output is checked for
+vfmadd on ymm/zmm and for no gathers in tests/test_gemm_cpu.py).
 """
 
 from __future__ import annotations
