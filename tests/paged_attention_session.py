@@ -63,6 +63,34 @@ def rope(x: np.ndarray, pos: np.ndarray, theta: float, rotary_dim: int) -> np.nd
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
 
 
+def rope_tolerance(x: np.ndarray, pos: np.ndarray, theta: float, rotary_dim: int,
+                   atol: float = 2e-5) -> np.ndarray:
+    """Per element of `rope(x, ...)`, how far a correct float32 kernel may be from it: `atol`
+    plus two ulps of the float32 angle times the two inputs it mixes. Past a few thousand
+    positions an angle's last bit (a power or a division rounded the other way: libm and
+    LLVM's vector code differ by CPU) moves the result by more than any fixed tolerance."""
+    f32 = np.float32
+    denom = np.power(f32(theta), np.arange(0, rotary_dim, 2, dtype=f32) / f32(rotary_dim))
+    ulp = np.spacing((pos[:, None].astype(f32) / denom[None, :]).astype(f32)).astype(np.float64)
+    half = rotary_dim // 2
+    mixed = np.abs(x[..., :half]) + np.abs(x[..., half:rotary_dim])
+    slack = 2 * ulp[:, None, :] * mixed
+    tol = np.full(x.shape, atol)
+    tol[..., :half] += slack
+    tol[..., half:rotary_dim] += slack
+    return tol
+
+
+def assert_rotated(actual: np.ndarray, x: np.ndarray, pos: np.ndarray, theta: float,
+                   rotary_dim: int) -> None:
+    """`actual` is `rope(x, pos, theta, rotary_dim)` within `rope_tolerance`."""
+    ref = rope(x, pos, theta, rotary_dim)
+    bad = np.abs(actual - ref) > rope_tolerance(x, pos, theta, rotary_dim)
+    assert not bad.any(), (
+        f"{bad.sum()} of {bad.size} values off: first at {np.argwhere(bad)[0].tolist()}, "
+        f"{actual[bad][0]} vs {ref[bad][0]}")
+
+
 def cache_args(
     layers: int = 2, h_q: int = 2, h_kv: int = 1, head_dim: int = 16, **overrides: Any
 ) -> dict[str, Any]:
