@@ -76,7 +76,15 @@ from tvm.script import tirx as T
 from tvm.target import Target
 
 from localchat.engine.kernels import tvm_private
-from localchat.engine.kernels.common import LANES, LOG2E, exp2, scheduled, tanh, vec_width
+from localchat.engine.kernels.common import (
+    LANES,
+    LOG2E,
+    exp2,
+    lane_tree,
+    scheduled,
+    tanh,
+    vec_width,
+)
 
 # LANES (16 float32 lanes of one AVX-512 register) is also the query rows per prefill work item.
 KEY_BLOCK = 64  # keys per online-softmax step in prefill
@@ -690,20 +698,22 @@ def attention_decode_paged_cpu(
     n_split = DECODE_SPLITS
     f32 = "float32"
 
-    @T.macro
-    def hreduce(buf, g, width, op):
-        # buf[g, 0] <- op-reduction of buf[g, 0:width] (width a power of two <= 16)
-        if width >= 16:
-            for e in T.vectorized(8):
-                buf[g, e] = op(buf[g, e], buf[g, e + 8])
-        if width >= 8:
-            for e in T.vectorized(4):
-                buf[g, e] = op(buf[g, e], buf[g, e + 4])
-        if width >= 4:
-            for e in T.vectorized(2):
-                buf[g, e] = op(buf[g, e], buf[g, e + 2])
-        if width >= 2:
-            buf[g, 0] = op(buf[g, 0], buf[g, 1])
+    def lanes_of(buf, base, lanes: int):
+        """`lanes` consecutive elements of the flat `buf` from `base` (a scalar for 1)."""
+        return buf[base] if lanes == 1 else buf[T.Ramp(base, 1, lanes)]
+
+    def lanes_of_2d(buf, row, base, lanes: int):
+        """`lanes_of` in row `row` of a 2-D `buf`."""
+        return buf[row, base] if lanes == 1 else buf[row, T.Ramp(base, 1, lanes)]
+
+    def key_dot(ql, pf, koff, g, jj):
+        """q[g] . K[jj] as `vw` lanes of partial sums, each a chain along head_dim from 0."""
+        acc = T.Broadcast(T.float32(0), vw) if vw > 1 else T.float32(0)
+        for c in range(nv):
+            k_part = lanes_of(pf, koff[jj] + c * vw, vw)
+            acc = acc + lanes_of_2d(ql, g, c * vw, vw) * T.Cast(
+                f"float32x{vw}" if vw > 1 else f32, k_part)
+        return acc
 
     def add(a, b):
         return a + b
@@ -789,9 +799,7 @@ def attention_decode_paged_cpu(
                 for w in T.parallel(B * h_kv * n_split):
                     ql = T.alloc_buffer((group, d), f32)
                     o = T.alloc_buffer((group, d), f32)
-                    acc = T.alloc_buffer((group, vw), f32)
                     s = T.alloc_buffer((group, blk), f32)
-                    red = T.alloc_buffer((group, blk), f32)
                     ml = T.alloc_buffer((2, group), f32)  # running max, running sum
                     alpha = T.alloc_buffer((group,), f32)
                     koff = T.alloc_buffer((blk,), "int32")
@@ -830,33 +838,27 @@ def attention_decode_paged_cpu(
                                 * page_size
                                 + jc % page_size
                             ) * d
-                        # s[g, jj] = q[g] . K[jj]
+                        # s[g, jj] = q[g] . K[jj]; the lanes are summed in registers (a tree
+                        # of halves), not through memory
                         for jj in range(blk):
                             for g in T.unroll(group):
-                                for e in T.vectorized(vw):
-                                    acc[g, e] = T.float32(0)
-                            for c in T.unroll(nv):
-                                for g in T.unroll(group):
-                                    for e in T.vectorized(vw):
-                                        acc[g, e] = acc[g, e] + ql[g, c * vw + e] * T.Cast(
-                                            f32, pf[koff[jj] + c * vw + e]
-                                        )
-                            for g in T.unroll(group):
-                                hreduce(acc, g, vw, add)
-                                s[g, jj] = opts.score(acc[g, 0])
+                                s[g, jj] = opts.score(
+                                    lane_tree(key_dot(ql, pf, koff, g, jj), vw, add)
+                                )
                         # online softmax over the block
                         for g in T.unroll(group):
-                            for e in T.vectorized(blk):
-                                red[g, e] = T.Select(e < nk, s[g, e], T.float32(NEG_INF))
-                            hreduce(red, g, blk, maximum)
-                            mx: T.let[T.float32] = T.max(ml[0, g], red[g, 0])
+                            mx: T.let[T.float32] = T.max(ml[0, g], lane_tree(T.Select(
+                                T.Ramp(0, 1, blk) < T.Broadcast(nk, blk),
+                                s[g, T.Ramp(0, 1, blk)],
+                                T.Broadcast(T.float32(NEG_INF), blk),
+                            ), blk, maximum))
                             alpha[g] = exp2(ml[0, g] - mx)
                             ml[0, g] = mx
                             for e in T.vectorized(blk):
                                 s[g, e] = T.Select(e < nk, exp2(s[g, e] - mx), T.float32(0))
-                                red[g, e] = s[g, e]
-                            hreduce(red, g, blk, add)
-                            ml[1, g] = ml[1, g] * alpha[g] + red[g, 0]
+                            ml[1, g] = ml[1, g] * alpha[g] + lane_tree(
+                                s[g, T.Ramp(0, 1, blk)], blk, add
+                            )
                             for c in T.vectorized(d):
                                 o[g, c] = o[g, c] * alpha[g]
                         # o += p @ V

@@ -37,6 +37,7 @@ __all__ = [
     "has_avx512",
     "has_avx512_vnni",
     "int8_activations",
+    "lane_tree",
     "padded_k",
     "scheduled",
     "tanh",
@@ -136,6 +137,18 @@ def wide_registers(isa: bool | str) -> bool:
     """Whether a `gemv_isa` value means AVX-512 (32 vector registers: `gemm`'s wide
     micro-kernel)."""
     return isa is True or isa == "vnni"
+
+
+def lane_tree(vec, lanes: int, op):
+    """op-reduction of the `lanes` lanes of `vec` as a tree of halves (lane i with i + lanes/2):
+    a fixed order, as few shuffles as there are levels, in registers."""
+    while lanes > 1:
+        half = lanes // 2
+        vec = op(
+            tirx.Shuffle([vec], list(range(half))), tirx.Shuffle([vec], list(range(half, lanes)))
+        )
+        lanes = half
+    return vec
 
 
 def int8_activations(target: Target) -> bool:

@@ -65,6 +65,7 @@ from localchat.engine.kernels.common import (
     NIBBLES_PER_WORD,
     WORDS_PER_GROUP,
     divisor,
+    lane_tree,
     padded_k,
     scheduled,
     transpose_x,
@@ -311,18 +312,6 @@ def _add(a, b):
     return a + b
 
 
-def _tree(vec, lanes: int, op):
-    """op-reduction of the `lanes` lanes of `vec` as a tree of halves (lane i with i + lanes/2):
-    a fixed order, as few shuffles as there are levels."""
-    while lanes > 1:
-        half = lanes // 2
-        vec = op(
-            tirx.Shuffle([vec], list(range(half))), tirx.Shuffle([vec], list(range(half, lanes)))
-        )
-        lanes = half
-    return vec
-
-
 def _pairs(vec, lanes: int, which: int):
     """Lane `which` (0 or 1) of each of the `lanes` side-by-side pairs of `vec` (2 `lanes`
     lanes): the scales or the mins of the asymmetric modes' group parameters."""
@@ -482,7 +471,7 @@ def gemv_q4_vnni_macro(
         sc = T.alloc_buffer((2,), F32)
         qv = T.alloc_buffer((GROUP_SIZE,), i32)
         pk = T.alloc_buffer((8,), i32)
-        sc[0] = _tree(T.fabs(xgroup(x, r, g, masked)), GROUP_SIZE, T.max)
+        sc[0] = lane_tree(T.fabs(xgroup(x, r, g, masked)), GROUP_SIZE, T.max)
         sc[1] = T.Select(sc[0] > T.float32(0), T.float32(127) / sc[0], T.float32(0))
         xs[r, g] = sc[0] / T.float32(127)
         qv[T.Ramp(0, 1, GROUP_SIZE)] = T.Cast(
@@ -496,9 +485,11 @@ def gemv_q4_vnni_macro(
         for q in T.unroll(8):
             xq[r, word0 + q * groups + e] = pk[q]
         if asym:
-            xo[r, g] = T.Cast(F32, _tree(qv[T.Ramp(0, 1, GROUP_SIZE)], GROUP_SIZE, _add)) * xs[r, g]
+            xo[r, g] = T.Cast(
+                F32, lane_tree(qv[T.Ramp(0, 1, GROUP_SIZE)], GROUP_SIZE, _add)
+            ) * xs[r, g]
         else:
-            xo[r, g] = _tree(qv[T.Ramp(0, 1, GROUP_SIZE)], GROUP_SIZE, _add) * -8
+            xo[r, g] = lane_tree(qv[T.Ramp(0, 1, GROUP_SIZE)], GROUP_SIZE, _add) * -8
 
     # groups [0, g4) sit in units of 16, [g4, kg4) in units of 4; contiguous loads up to kfull
     f16, m16 = min(kfull, g4), g4
@@ -573,7 +564,7 @@ def gemv_q4_vnni_macro(
             )
 
     def sum_lanes(buf, base, count):
-        return _tree(buf[T.Ramp(base, 1, count)], count, _add)
+        return lane_tree(buf[T.Ramp(base, 1, count)], count, _add)
 
     store = _store_macro(dtype, bias)
 
@@ -873,7 +864,8 @@ def gemv_q8_macro(k: int, n: int, dtype: str, bias: bool):
                         ] + group_term(w, s, x, jo * rb + jj, r, kfull, True)
                 for jj in range(rb):
                     store(
-                        y, b, r, jo * rb + jj, _tree(acc[T.Ramp(jj * LANES, 1, LANES)], LANES, _add)
+                        y, b, r, jo * rb + jj,
+                        lane_tree(acc[T.Ramp(jj * LANES, 1, LANES)], LANES, _add),
                     )
 
     return body
@@ -925,7 +917,7 @@ def gemv_q8_vnni_macro(
     def prep_group(x, xq, xe, r, g, masked):
         sc = T.alloc_buffer((2,), F32)
         qv = T.alloc_buffer((GROUP_SIZE,), i32)
-        sc[0] = _tree(T.fabs(xgroup(x, r, g, masked)), GROUP_SIZE, T.max)
+        sc[0] = lane_tree(T.fabs(xgroup(x, r, g, masked)), GROUP_SIZE, T.max)
         sc[1] = T.Select(sc[0] > T.float32(0), T.float32(127) / sc[0], T.float32(0))
         xe[r, T.Ramp(g * wpg, 1, wpg)] = T.Broadcast(sc[0] / T.float32(127), wpg)
         qv[T.Ramp(0, 1, GROUP_SIZE)] = T.Cast(
@@ -1012,11 +1004,11 @@ def gemv_q8_vnni_macro(
             if odd:
                 store(
                     y, b, r0 + rr, row,
-                    _tree(f16[T.Ramp(rr * LANES, 1, LANES)], LANES, _add)
-                    + _tree(f8[T.Ramp(rr * 8, 1, 8)], 8, _add),
+                    lane_tree(f16[T.Ramp(rr * LANES, 1, LANES)], LANES, _add)
+                    + lane_tree(f8[T.Ramp(rr * 8, 1, 8)], 8, _add),
                 )
             else:
-                store(y, b, r0 + rr, row, _tree(f16[T.Ramp(rr * LANES, 1, LANES)], LANES, _add))
+                store(y, b, r0 + rr, row, lane_tree(f16[T.Ramp(rr * LANES, 1, LANES)], LANES, _add))
 
     @T.macro
     def tail_blocks(w, s, b, y, xq, xe, row, m):
