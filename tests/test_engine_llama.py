@@ -160,3 +160,14 @@ def test_linear_kernels_give_a_row_the_same_bits_whatever_the_batch(
             first_rows.append(y.numpy()[0])
         for m, row in zip((3, 6), first_rows[1:]):
             assert np.array_equal(row, first_rows[0]), f"{name}: row 0 differs with {m} rows"
+
+
+def test_quantized_modes_keep_the_kv_cache_in_float16() -> None:
+    """A 4-bit model's KV cache is float16 (`QuantMode.kv_dtype`), half the bytes q0f32's
+    float32 cache takes for the same tokens (what the memory check and the benchmark count);
+    the q4 agreement with transformers above runs through it."""
+    src = build_variant("llama-gqa")
+    f32 = Model(converted(src, "q0f32"), "cpu")
+    f16 = Model(converted(src, "q4f32_1"), "cpu")
+    assert f32.mode.kv_dtype == "float32" and f16.mode.kv_dtype == "float16"
+    assert f16.kv_cache_bytes() * 2 == f32.kv_cache_bytes() > 0

@@ -356,7 +356,8 @@ class Model:
 
     def kv_cache_bytes(self) -> int:
         """Bytes the KV cache (or RNN state) holds for its full capacity."""
-        return int(self.arch.cache_bytes(self.config, self.mode.dtype, self.max_batch_size,
+        dtype = self.mode.state_dtype(self.arch.state)
+        return int(self.arch.cache_bytes(self.config, dtype, self.max_batch_size,
                                          self._cache_pages() * PAGE_SIZE))
 
     def weight_bytes(self) -> int:

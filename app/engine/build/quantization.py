@@ -94,6 +94,18 @@ class QuantMode:
         return 8 if self.gguf_type else self.bits
 
     @property
+    def kv_dtype(self) -> str:
+        """The KV cache's type: float16 in the quantized modes (half the bytes a long context
+        reads per token, and half its memory, as llama.cpp keeps it), the activation type in
+        the float modes (q0f32 stays exact)."""
+        return "float16" if self.quantized else self.dtype
+
+    def state_dtype(self, state: str) -> str:
+        """The type of an architecture's per-sequence state (`Architecture.state`): a KV
+        cache's `kv_dtype`, a recurrent state's activation type."""
+        return self.kv_dtype if state == "kv" else self.dtype
+
+    @property
     def group_dtype(self) -> str:
         """The type the group scales (and mins) are stored in: float16 in the modes that hold a
         llama.cpp type (its blocks' d and m), the activation type in the others."""

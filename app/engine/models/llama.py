@@ -229,6 +229,7 @@ class LlamaAttention(nn.Module):
         self.rope_theta, self.rope_scaling = layer["rope_theta"], cfg.rope_scaling
         self.rope_scale = layer["rope_scale"]
         self.cpu = ctx.cpu
+        self.kv_dtype = ctx.mode.kv_dtype
         self.ext_factors, self.mscale = cfg.rope_ext_factors, cfg.rope_attention_factor
         self.rotary_dim = cfg.rotary_dim or None
         qkv_out = (self.num_q + 2 * self.num_kv) * self.head_dim
@@ -308,7 +309,11 @@ class LlamaAttention(nn.Module):
             probes.probe("rotary", qkv)
         if self.with_sinks:
             qkv = self._sink_lanes(qkv)
+        if self.kv_dtype != qkv.dtype:  # the cache's type (float16 in quantized modes)
+            qkv = op.astype(qkv, self.kv_dtype)
         out = cache.attention_with_fused_qkv(layer_id, qkv, self.num_q, sm_scale=self.call_scale)
+        if self.kv_dtype != x.dtype:
+            out = op.astype(out, x.dtype)
         if self.with_sinks:
             out = op.split(out, [self.head_dim], axis=-1)[0]
         out = probes.probe("self_attn.o_proj:in", op.reshape(out, (b, s, q_size)))
@@ -519,7 +524,7 @@ class LlamaForCausalLM(nn.Module):
             rope_ext_factors=relax.prim_value(0),
             rotary_dim=cfg.rotary_dim or cfg.head_dim,
             enable_disaggregation=False,
-            dtype=self.mode.dtype,
+            dtype=self.mode.kv_dtype,
             target=self.target,
             **options,
         )
