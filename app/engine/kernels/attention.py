@@ -671,6 +671,12 @@ def attention_prefill_paged_cpu(
 # --------------------------------------------------------------------------------------------
 
 
+def _prefetch(buf, index):
+    """A read prefetch of the cache line holding buf[index] into every cache level."""
+    return T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(buf[index]), T.int32(0),
+                              T.int32(3), T.int32(1))
+
+
 def attention_decode_paged_cpu(
     h_kv: int,
     h_q: int,
@@ -745,6 +751,15 @@ def attention_decode_paged_cpu(
         if opts.sliding_window:
             return skipped(kv_n, q_pos, k_pos0, sm_scale) + start
         return start
+
+    line = 64 // tvm.DataType(dtype).itemsize  # elements of one cache line
+    page_lines = -(-page_size * d // line)
+
+    @T.macro
+    def prefetch_page(pf, base):
+        for i in T.unroll(page_lines):
+            _prefetch(pf, base + i * line)
+            _prefetch(pf, base + h_kv * page_size * d + i * line)
 
     @T.prim_func(private=True)
     def batch_decode_paged_kv(
@@ -831,6 +846,13 @@ def attention_decode_paged_cpu(
                     for kb in range((T.max(k_end - k_beg, 0) + blk - 1) // blk):
                         j0: T.let[T.int32] = k_beg + kb * blk
                         nk: T.let[T.int32] = T.min(blk, k_end - j0)
+                        if j0 + blk < k_end:
+                            # the next block's page of K and of V: a head's 16 keys are a few
+                            # KB strided by all heads' pages, which the hardware prefetcher
+                            # only follows after a miss at each page's start
+                            prefetch_page(pf, (
+                                page_table_values[pbeg + (j0 + blk) // page_size] * 2 * h_kv + hk
+                            ) * page_size * d)
                         for jj in range(blk):
                             jc: T.let[T.int32] = T.min(j0 + jj, k_end - 1)
                             koff[jj] = (
