@@ -68,7 +68,8 @@ def test_json_has_every_field_with_plausible_values(model_dir: str) -> None:
 
 def test_bytes_per_token_are_the_stored_weights_and_the_kv_cache(model_dir: str) -> None:
     """Every tensor of the model's tensor cache once (its untied input embedding one row: a
-    lookup), plus the KV cache of one sequence at its mean length over the run."""
+    lookup), plus the KV cache of one sequence at its mean length over the run (float16 in a
+    quantized mode: 2 bytes a value)."""
     out = bench(model_dir, *SMALL, "--batch", "1", "--json")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
@@ -78,9 +79,12 @@ def test_bytes_per_token_are_the_stored_weights_and_the_kv_cache(model_dir: str)
         for rec in shard["records"]:
             rows = rec["shape"][0] if rec["name"].startswith("model.embed_tokens.") else 1
             stored += rec["nbytes"] // rows
-    config = json.loads((Path(model_dir) / "localchat-config.json").read_text())["model_config"]
+    meta = json.loads((Path(model_dir) / "localchat-config.json").read_text())
+    config = meta["model_config"]
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    per_position = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4
+    kv_bytes = 2 if meta["quantization"].startswith("q4") else 4  # a float16 / float32 cache
+    per_position = (2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim
+                    * kv_bytes)
     mean_length = 16 + 1 + (8 + 1) / 2  # prompt, the warm-up step, half the decode steps
     assert result["bytes_per_token"] == pytest.approx(stored + per_position * mean_length)
 
