@@ -49,14 +49,19 @@ def tensor(a: np.ndarray) -> tvm.runtime.Tensor:
     return tvm.runtime.tensor(np.ascontiguousarray(a), DEV)
 
 
+def _angles(pos: np.ndarray, theta: float, rotary_dim: int) -> np.ndarray:
+    """The rotary angles [n, rotary_dim / 2] in float32 as TVM's frequency function (and HF)
+    compute them: at a position of thousands their rounding, not the kernel, would decide a
+    comparison."""
+    f32 = np.float32
+    denom = np.power(f32(theta), np.arange(0, rotary_dim, 2, dtype=f32) / f32(rotary_dim))
+    return (pos[:, None].astype(f32) / denom[None, :]).astype(f32)
+
+
 def rope(x: np.ndarray, pos: np.ndarray, theta: float, rotary_dim: int) -> np.ndarray:
     """HF's rotary embedding (rotate half) of x [n, h, d] at positions pos [n] on the first
     rotary_dim features (Phi-3's partial_rotary_factor), the rest passed through."""
-    # the angles in float32 as TVM's frequency function (and HF) compute them: at a position of
-    # thousands their rounding, not the kernel, would decide the comparison
-    f32 = np.float32
-    denom = np.power(f32(theta), np.arange(0, rotary_dim, 2, dtype=f32) / f32(rotary_dim))
-    ang = (pos[:, None].astype(f32) / denom[None, :]).astype(np.float64)
+    ang = _angles(pos, theta, rotary_dim).astype(np.float64)
     cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
     half = rotary_dim // 2
     x1, x2, rest = x[..., :half], x[..., half:rotary_dim], x[..., rotary_dim:]
@@ -69,9 +74,7 @@ def rope_tolerance(x: np.ndarray, pos: np.ndarray, theta: float, rotary_dim: int
     plus two ulps of the float32 angle times the two inputs it mixes. Past a few thousand
     positions an angle's last bit (a power or a division rounded the other way: libm and
     LLVM's vector code differ by CPU) moves the result by more than any fixed tolerance."""
-    f32 = np.float32
-    denom = np.power(f32(theta), np.arange(0, rotary_dim, 2, dtype=f32) / f32(rotary_dim))
-    ulp = np.spacing((pos[:, None].astype(f32) / denom[None, :]).astype(f32)).astype(np.float64)
+    ulp = np.spacing(_angles(pos, theta, rotary_dim)).astype(np.float64)
     half = rotary_dim // 2
     mixed = np.abs(x[..., :half]) + np.abs(x[..., half:rotary_dim])
     slack = 2 * ulp[:, None, :] * mixed

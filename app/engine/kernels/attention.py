@@ -704,20 +704,18 @@ def attention_decode_paged_cpu(
     n_split = DECODE_SPLITS
     f32 = "float32"
 
-    def lanes_of(buf, base, lanes: int):
-        """`lanes` consecutive elements of the flat `buf` from `base` (a scalar for 1)."""
-        return buf[base] if lanes == 1 else buf[T.Ramp(base, 1, lanes)]
-
-    def lanes_of_2d(buf, row, base, lanes: int):
-        """`lanes_of` in row `row` of a 2-D `buf`."""
-        return buf[row, base] if lanes == 1 else buf[row, T.Ramp(base, 1, lanes)]
+    def lanes_of(buf, lanes: int, *index):
+        """`lanes` consecutive elements of `buf` along its last axis from `index` (a scalar
+        for 1)."""
+        *lead, base = index
+        return buf[(*lead, base if lanes == 1 else T.Ramp(base, 1, lanes))]
 
     def key_dot(ql, pf, koff, g, jj):
         """q[g] . K[jj] as `vw` lanes of partial sums, each a chain along head_dim from 0."""
         acc = T.Broadcast(T.float32(0), vw) if vw > 1 else T.float32(0)
         for c in range(nv):
-            k_part = lanes_of(pf, koff[jj] + c * vw, vw)
-            acc = acc + lanes_of_2d(ql, g, c * vw, vw) * T.Cast(
+            k_part = lanes_of(pf, vw, koff[jj] + c * vw)
+            acc = acc + lanes_of(ql, vw, g, c * vw) * T.Cast(
                 f"float32x{vw}" if vw > 1 else f32, k_part)
         return acc
 

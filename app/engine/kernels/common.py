@@ -32,7 +32,6 @@ __all__ = [
     "divisor",
     "exp2",
     "gemv_isa",
-    "wide_registers",
     "has_avx2",
     "has_avx512",
     "has_avx512_vnni",
@@ -43,6 +42,7 @@ __all__ = [
     "tanh",
     "transpose_x",
     "vec_width",
+    "wide_registers",
 ]
 
 WORDS_PER_GROUP = GROUP_SIZE // NIBBLES_PER_WORD  # 4 uint32 words hold one group of 32 nibbles

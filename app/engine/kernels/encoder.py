@@ -21,7 +21,7 @@ import math
 from tvm import tirx
 from tvm.script import tirx as T
 
-from localchat.engine.kernels.common import LANES, LOG2E, exp2, scheduled
+from localchat.engine.kernels.common import LANES, LOG2E, exp2, lane_tree, scheduled
 
 F32 = "float32"
 OPAQUE = 8  # Relax's op pattern for a kernel that fusion leaves whole
@@ -279,9 +279,7 @@ def packed_attention(heads: int, head_dim: int, max_len: int, dtype: str,
                 for kb in range((keys(qt, ln) + LANES - 1) // LANES):
                     for e in T.vectorized(LANES):
                         mx[e] = T.max(mx[e], sc[r, kb * LANES + e])
-                st[r, 0] = mx[0]
-                for e in range(1, LANES):
-                    st[r, 0] = T.max(st[r, 0], mx[e])
+                st[r, 0] = lane_tree(mx[T.Ramp(0, 1, LANES)], LANES, T.max)
                 for e in T.vectorized(LANES):
                     acc[r, e] = T.float32(0)
                 for kb in range((keys(qt, ln) + LANES - 1) // LANES):

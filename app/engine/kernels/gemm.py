@@ -212,12 +212,10 @@ def _gemm(
             for t in range(rows // MR):
                 micro(x, xp, w, wp, cb, r0, j0, k0, t, MR, 0, jw * span, klen, span)
             tail(x, xp, w, wp, cb, r0, j0, k0, rows, jw * span, klen, span)
-        if span > 1:
-            # a last single micro-panel (an odd count)
-            if used % span == 1:
-                for t in range(rows // MR):
-                    micro(x, xp, w, wp, cb, r0, j0, k0, t, MR, 0, used - 1, klen, 1)
-                tail(x, xp, w, wp, cb, r0, j0, k0, rows, used - 1, klen, 1)
+        if used % span == 1:  # a last single micro-panel (an odd count, wide)
+            for t in range(rows // MR):
+                micro(x, xp, w, wp, cb, r0, j0, k0, t, MR, 0, used - 1, klen, 1)
+            tail(x, xp, w, wp, cb, r0, j0, k0, rows, used - 1, klen, 1)
 
     def out(cb, b, i, j0, jj):
         v = cb[i, jj]

@@ -913,6 +913,11 @@ def gemv_q8_vnni_macro(
             T.Broadcast(T.float32(0), GROUP_SIZE),
         )
 
+    def x_words(qv):
+        """A group's int8 x as 8 words, flipped to uint8 (q + 128) for vpdpbusd."""
+        words = T.reinterpret(f"int32x{wpg}", T.Cast(f"int8x{GROUP_SIZE}", qv))
+        return T.bitwise_xor(words, T.Broadcast(T.int32(SIGN_FLIP), wpg)) if flip_x else words
+
     @T.macro
     def prep_group(x, xq, xe, r, g, masked):
         sc = T.alloc_buffer((2,), F32)
@@ -924,16 +929,7 @@ def gemv_q8_vnni_macro(
             f"int32x{GROUP_SIZE}",
             T.nearbyint(xgroup(x, r, g, masked) * T.Broadcast(sc[1], GROUP_SIZE)),
         )
-        if flip_x:
-            xq[r, T.Ramp(g * wpg, 1, wpg)] = T.bitwise_xor(
-                T.reinterpret(f"int32x{wpg}", T.Cast(f"int8x{GROUP_SIZE}",
-                                                     qv[T.Ramp(0, 1, GROUP_SIZE)])),
-                T.Broadcast(T.int32(SIGN_FLIP), wpg),
-            )
-        else:
-            xq[r, T.Ramp(g * wpg, 1, wpg)] = T.reinterpret(
-                f"int32x{wpg}", T.Cast(f"int8x{GROUP_SIZE}", qv[T.Ramp(0, 1, GROUP_SIZE)])
-            )
+        xq[r, T.Ramp(g * wpg, 1, wpg)] = x_words(qv[T.Ramp(0, 1, GROUP_SIZE)])
 
     @T.macro
     def prep_row(x, xq, xe, r):
