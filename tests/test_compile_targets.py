@@ -81,3 +81,19 @@ def test_a_shared_library_cache_compiles_once_for_several_stores(
     assert md.library_cache_dirs()[-1] == shared
     third = compile_library(arch, cfg, mode, cpu_target(), tmp_path / "c")
     assert third.compiled and md.verified_cache_library(third.path)
+
+
+@pytest.mark.parametrize("quant", ["q4f16_1", "q0f16"])
+def test_gpu_linears_read_the_weights_in_place(quant: str) -> None:
+    """No kernel writes a dequantized or transposed copy of a weight per call (as dequantize ->
+    permute_dims -> matmul did: on an H100 those copies held decode at 2% of its bandwidth);
+    the KV cache's own transposing append is the one transpose left."""
+    import re
+
+    from model_oracle import cuda_sources
+
+    names = re.findall(r"__global__ void[^\n]*?(\w+_kernel)\(", "\n".join(
+        cuda_sources(build_variant("llama-odd"), quant)))
+    assert any("nt_matmul" in n for n in names)
+    copies = [n for n in names if ("transpose" in n and "kv_cache" not in n) or "dequantize" in n]
+    assert not copies

@@ -134,3 +134,12 @@ def test_gemma_builds_for_a_gpu_with_what_tvm_has() -> None:
         else:
             with pytest.raises(UnsupportedModelError, match="soft-cap"):
                 model.export_tvm(spec=model.get_default_spec())
+
+
+def test_the_registry_knows_each_architectures_state_without_importing_it() -> None:
+    """`architecture_state` (what a runtime-only TVM reads) says what the module's
+    Architecture says."""
+    from localchat.engine.models import architecture_state
+
+    for entry in REGISTRY:
+        assert architecture_state(entry.name) == entry.load().state, entry.name

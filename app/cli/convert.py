@@ -22,7 +22,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "Q4_1, Q4_0, Q4_K(_M) or Q8_0 on the CPU q4f32_asym, q4f32_0, q4f32_k or "
                    "q8f32_0, which hold its blocks exactly)")
     p.add_argument("--output", "-o", required=True, help="model directory to create")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, metal or vulkan")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, metal or vulkan; "
+                   "cuda:sm_90 (any sm_NN) compiles for a GPU on another machine, to copy the "
+                   "directory there")
     p.add_argument("--context-window", type=int, default=None)
     p.add_argument("--prefill-chunk-size", type=int, default=None)
     p.add_argument("--no-compile", action="store_true", help="convert only; compile on first run")
@@ -54,7 +56,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
         if quant is None:
             from localchat.engine import select_device
 
-            quant = gguf_default_quantization(source, select_device(args.device).kind)
+            kind = args.device.partition(":")[0] if ":" in args.device else \
+                select_device(args.device).kind
+            quant = gguf_default_quantization(source, kind)
     elif source.is_file() and source.suffix.lower() == ".pth":
         pass  # a BlinkDL RWKV checkpoint: its version is told (or refused) by convert_source
     else:
@@ -64,6 +68,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
                                  f"or the RWKV World vocabulary); `localchat run` needs one")
     quant = quant or "q4f32_1"
     get_quant_mode(quant)  # an unknown mode fails before any work
+    from localchat.engine.device import cross_compile_device
+
+    elsewhere = cross_compile_device(args.device)  # cuda:sm_90: for a GPU not on this machine
     if args.quant is None and quant != "q4f32_1":
         log(f"quantization {quant}: it holds this file's weights exactly")
     out = convert_source(
@@ -74,10 +81,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
         context_window_size=args.context_window,
         scratch_dir=output.parent,
         # compiled before the directory is put in place: a failed compile leaves nothing
-        compile_for=None if args.no_compile else args.device,
+        compile_for=None if args.no_compile else (elsewhere or args.device),
         log=log,
     )
-    if not args.no_compile:
+    if elsewhere is not None and not args.no_compile:
+        log(f"compiled for {args.device}: copy {out} to the machine with that GPU")
+    elif not args.no_compile:
         from localchat.engine import Model
 
         model = Model(out, args.device, log=log)

@@ -233,7 +233,7 @@ def run_benchmark(
     # (its mean length over the run: prompt, warm-up step, half the steps) or its state.
     weights = weight_bytes_per_step(meta["param_names"], model.params)
     mean_tokens = prompt_tokens + 1 + (gen_tokens + 1) / 2
-    state_dtype = model.mode.state_dtype(model.arch.state)
+    state_dtype = model.mode.state_dtype(model.state_kind)
     state = float(model.arch.cache_bytes(model.config, state_dtype, 1, mean_tokens))
     head = rates[0]
     per_token = (weights + head.batch * state) / head.batch

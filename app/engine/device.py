@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import tvm
 from tvm.target import Target
@@ -18,7 +20,9 @@ class Device:
     """A device to run on: its kind, the TVM runtime device and the compile target."""
 
     kind: str
-    target: Target
+    # None on a runtime-only TVM (no compiler): the model's lib/ must hold a library compiled
+    # for this device elsewhere (`localchat convert --device cuda:sm_90` there)
+    target: Target | None
 
     @property
     def tvm_device(self) -> tvm.runtime.Device:
@@ -81,11 +85,26 @@ def cpu_target(num_cores: int | None = None) -> Target:
     return Target(spec)
 
 
-def cuda_target(arch: str | None = None) -> Target:
-    """CUDA for the given SM architecture (default: the local GPU's, else sm_80)."""
-    if arch is None:
-        dev = tvm.cuda(0)
-        arch = "sm_" + dev.compute_version.replace(".", "") if dev.exist else "sm_80"
+def portable_cpu_target() -> Target:
+    """llvm for any x86-64 (or arm64) Linux CPU: the host side of a library compiled here for
+    another machine's GPU, whose CPU may lack this one's vector extensions."""
+    import platform
+
+    triple = "aarch64-linux-gnu" if platform.machine() in ("aarch64", "arm64") else \
+        "x86_64-pc-linux-gnu"
+    return Target({"kind": "llvm", "mtriple": triple})
+
+
+def local_cuda_arch() -> str | None:
+    """The local GPU's SM architecture (`sm_90`), or None where no CUDA device is present."""
+    dev = tvm.cuda(0)
+    return "sm_" + dev.compute_version.replace(".", "") if dev.exist else None
+
+
+def cuda_target(arch: str | None = None, host: Target | None = None) -> Target:
+    """CUDA for the given SM architecture (default: the local GPU's, else sm_80); the host
+    side for this CPU unless `host` says otherwise."""
+    arch = arch or local_cuda_arch() or "sm_80"
     return Target(
         {
             "kind": "cuda",
@@ -94,7 +113,7 @@ def cuda_target(arch: str | None = None) -> Target:
             "max_shared_memory_per_block": 49152,
             "thread_warp_size": 32,
         },
-        host=cpu_target(),
+        host=host or cpu_target(),
     )
 
 
@@ -134,17 +153,61 @@ def backend_supported(kind: str) -> bool:
     return str(info.get(flag, "OFF")).upper() not in ("OFF", "", "0", "FALSE", "NOTFOUND")
 
 
+def _load_runtime_sidecar(kind: str) -> None:
+    """A runtime-only TVM loads no device runtimes by itself (the full one does, through its
+    compiler's backend hooks): load `libtvm_runtime_<kind>` beside libtvm_runtime, once."""
+    import tvm.base
+
+    name = f"tvm_runtime_{kind}"
+    if compiler_available() or name in tvm.base._LOADED_LIBS:
+        return
+    from tvm_ffi.libinfo import load_lib_ctypes
+
+    folder = Path(tvm.base._LOADED_LIBS["tvm_runtime"]._name).resolve().parent
+    try:
+        tvm.base._LOADED_LIBS[name] = load_lib_ctypes(
+            package="tvm", target_name=name, extra_lib_paths=[folder], mode="RTLD_LOCAL")
+    except (OSError, RuntimeError):
+        return  # no such runtime in this install, or its driver library is missing
+    if kind == "cuda":
+        _register_cuda_jit()
+
+
+def _register_cuda_jit() -> None:
+    """A library compiled for CUDA where no GPU is (`cross_compile_device`) holds its kernels as
+    CUDA source, which TVM compiles when the library is loaded, through the function
+    `tvm_callback_cuda_compile`. TVM's own asks the compiler's current target for the
+    architecture, which a runtime-only TVM lacks: this one compiles for the local GPU."""
+    import tvm_ffi
+
+    arch = local_cuda_arch() or "sm_80"
+
+    @tvm_ffi.register_global_func("tvm_callback_cuda_compile", override=True)
+    def compile_source(code: str) -> bytes:
+        from tvm.support import nvcc
+
+        try:  # NVRTC through cuda-bindings, where installed: no compiler process
+            return bytes(nvcc.compile_cuda(code, target_format="cubin", arch=arch,
+                                           compiler="nvrtc"))
+        except Exception:  # else the nvcc program of the CUDA toolkit
+            return bytes(nvcc.compile_cuda(code, target_format="fatbin", arch=arch,
+                                           compiler="nvcc"))
+
+
 def device_present(kind: str) -> bool:
     """Whether a device of this kind exists on this machine and its runtime is usable."""
     if kind == "cpu":
         return True
+    _load_runtime_sidecar(kind)
     try:
         return bool(tvm.device(kind, 0).exist)
     except Exception:  # a runtime that is not compiled in raises
         return False
 
 
-def _target_for(kind: str) -> Target:
+def _target_for(kind: str) -> Target | None:
+    if not compiler_available():
+        return None
     return {
         "cpu": cpu_target,
         "cuda": cuda_target,
@@ -153,20 +216,57 @@ def _target_for(kind: str) -> Target:
     }[kind]()
 
 
+def compiler_available() -> bool:
+    """Whether the installed TVM can compile: a runtime-only install (`TVM_USE_RUNTIME_LIB=1`,
+    or the compiler library missing) only loads libraries compiled on another machine."""
+    import tvm.base
+
+    return not getattr(tvm.base, "_RUNTIME_ONLY", False)
+
+
+def runtime_target_key(kind: str) -> str:
+    """The target key (`compile.target_key`) of the libraries that run on this machine's
+    device `kind`, told without the compiler: `cuda-sm_90`, `metal`, `vulkan`; `llvm` for the
+    CPU, whose libraries are named by the CPU (`llvm-znver5`): a prefix to match."""
+    if kind == "cuda":
+        return f"cuda-{local_cuda_arch() or 'sm_80'}"
+    return "llvm" if kind == "cpu" else kind
+
+
+def cross_compile_device(spec: str) -> Device | None:
+    """`cuda:sm_90` -> a device to compile for without one being present (its library is
+    copied to the machine that has it); None for a spec without an architecture."""
+    kind, _, arch = spec.partition(":")
+    if not arch:
+        return None
+    if kind != "cuda" or not re.fullmatch(r"sm_\d+[a-z]?", arch):
+        raise DeviceError(f"cannot compile for {spec!r}: name a CUDA architecture such as "
+                          f"cuda:sm_80 or cuda:sm_90")
+    if not backend_supported("cuda"):
+        raise DeviceError("this TVM build has no cuda support")
+    return Device("cuda", cuda_target(arch, host=portable_cpu_target()))
+
+
 def select_device(requested: str = "auto") -> Device:
     """The device to use: `auto` takes the first present and supported of CUDA, Metal, Vulkan,
-    then CPU; a named kind must exist and be supported, or DeviceError says why not."""
+    then CPU; a named kind must exist and be supported, or DeviceError says why not. On a
+    runtime-only TVM the device has no target: it runs libraries compiled elsewhere."""
     if requested == "auto":
         for kind in DEVICE_KINDS:
             if backend_supported(kind) and device_present(kind):
                 return Device(kind, _target_for(kind))
-        return Device("cpu", cpu_target())
-    if requested not in DEVICE_KINDS:
+        return Device("cpu", _target_for("cpu"))
+    kind, _, arch = requested.partition(":")
+    if kind not in DEVICE_KINDS:
         raise DeviceError(
             f"unknown device {requested!r} (choose from auto, {', '.join(DEVICE_KINDS)})"
         )
-    if not backend_supported(requested):
-        raise DeviceError(f"this TVM build has no {requested} support")
-    if not device_present(requested):
-        raise DeviceError(f"no {requested} device found on this machine")
-    return Device(requested, _target_for(requested))
+    if not backend_supported(kind):
+        raise DeviceError(f"this TVM build has no {kind} support")
+    if not device_present(kind):
+        hint = f"; `localchat convert --device {requested}` compiles for one elsewhere" \
+            if arch else ""
+        raise DeviceError(f"no {kind} device found on this machine{hint}")
+    if arch and compiler_available():
+        return cross_compile_device(requested) or Device(kind, _target_for(kind))
+    return Device(kind, _target_for(kind))

@@ -8,6 +8,7 @@ batched call, fork copies a sequence's state, remove frees it.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -17,15 +18,20 @@ from typing import Any
 
 import numpy as np
 import tvm
-from tvm import relax
 from tvm.runtime import ShapeTuple
+from tvm.runtime.vm import VirtualMachine
 
 from localchat import model_dir as md
-from localchat.engine.build.compile import CompiledLibrary, model_library, quiet_native_output
+from localchat.engine.build.compile import (
+    CompiledLibrary,
+    model_library,
+    prebuilt_library,
+    quiet_native_output,
+)
 from localchat.engine.build.quantization import get_quant_mode
-from localchat.engine.device import Device, select_device
+from localchat.engine.device import Device, runtime_target_key, select_device
 from localchat.engine.memory import check_fits, weight_bytes_on_disk
-from localchat.engine.models import get_architecture
+from localchat.engine.models import Architecture, architecture_state, get_architecture
 from localchat.engine.threads import ensure_threads
 from localchat.engine.tokenizer import Tokenizer, load_tokenizer
 from localchat.errors import (
@@ -66,6 +72,16 @@ def load_params(model_dir: Path, names: list[str], dev: Any) -> Any:
     return params
 
 
+def prefill_chunk_for(meta: dict[str, Any], device_kind: str, chunk: int) -> int:
+    """The prefill chunk a model runs with on `device_kind`: `chunk`, but on a GPU no longer
+    than its layers' sliding window. TVM 0.27's GPU prefill applies a windowed layer's window
+    to the keys of earlier chunks, not among a chunk's own tokens (on an H100, Gemma 3 ran
+    exact token by token and wrong from its first prefill); a chunk no longer than the window
+    has no key outside it."""
+    window = int(meta.get("model_config", {}).get("sliding_window") or 0)
+    return min(chunk, window) if window and device_kind != "cpu" else chunk
+
+
 @dataclass
 class Sequence:
     """A sequence held in the model's state: its id and the tokens it has consumed."""
@@ -95,28 +111,31 @@ class Model:
             raise ModelNotFoundError(f"{model_dir}: not a localchat model directory")
         self.model_dir = model_dir
         self.meta = md.load_config(model_dir)
-        self.arch = get_architecture(self.meta["architecture"])
-        self.config = self.arch.config_from_dict(self.meta["model_config"])
+        self.state_kind = architecture_state(self.meta["architecture"])
         self.mode = get_quant_mode(self.meta["quantization"])
         self.device = select_device(device) if isinstance(device, str) else device
         self.dev = self.device.tvm_device
         self.context_window_size = int(self.meta["context_window_size"])
-        self.prefill_chunk_size = int(prefill_chunk_size or self.meta["prefill_chunk_size"])
+        self.prefill_chunk_size = prefill_chunk_for(
+            self.meta, self.device.kind, int(prefill_chunk_size or self.meta["prefill_chunk_size"]))
         self.max_batch_size = max_batch_size
         self.max_total_tokens = int(max_total_tokens or self.context_window_size)
         self.eos_token_ids: list[int] = list(self.meta.get("eos_token_ids") or [])
-        if self.device.kind == "cpu":  # refused before compiling or loading anything
+        if self.device.kind == "cpu" and self.device.target is not None:
+            # refused before compiling or loading anything (a runtime-only TVM cannot import
+            # the architecture that counts its cache)
             check_fits(model_dir.name, weight_bytes_on_disk(model_dir), self.kv_cache_bytes())
 
         t0 = time.perf_counter()
         self.library: CompiledLibrary = model_library(
             model_dir, self.arch, self.config, self.mode, self.device.target, log=log
-        )
+        ) if self.device.target is not None else prebuilt_library(
+            model_dir, runtime_target_key(self.device.kind), log=log)
         t1 = time.perf_counter()
         try:
             with quiet_native_output():
                 module = tvm.runtime.load_module(str(self.library.path))
-            self.vm = relax.VirtualMachine(module, self.dev)
+            self.vm = VirtualMachine(module, self.dev)
         except Exception as exc:  # a library that passed its hash but does not load
             raise ModelConfigError(
                 f"cannot load the compiled library {self.library.path}: {_first_line(exc)}"
@@ -146,6 +165,16 @@ class Model:
         self._reclaimers: list[Callable[[], bool]] = []
 
     # -- loading ---------------------------------------------------------------------------
+    @functools.cached_property
+    def arch(self) -> Architecture:
+        """The model's architecture (imported on use: its module needs TVM's compiler)."""
+        return get_architecture(self.meta["architecture"])
+
+    @functools.cached_property
+    def config(self) -> Any:
+        """The architecture's config of this model."""
+        return self.arch.config_from_dict(self.meta["model_config"])
+
     def _function_names(self) -> list[str]:
         if self.is_encoder:
             return ["encode"]  # models/export.py's encoder_spec
@@ -154,7 +183,7 @@ class Model:
     @property
     def is_encoder(self) -> bool:
         """Whether this is a text encoder (embeddings, `engine.embedding`), not a decoder."""
-        return self.arch.state == "encoder"
+        return self.state_kind == "encoder"
 
     def function(self, name: str) -> Any:
         """One of the library's exported functions, by name (called with `self.params` last)."""
@@ -166,7 +195,7 @@ class Model:
     def _create_state(self) -> Any:
         if self.is_encoder:
             return None  # an encoder keeps nothing between calls
-        if self.arch.state == "rnn":
+        if self.state_kind == "rnn":
             return self.vm["create_rnn_state"](
                 ShapeTuple([self.max_batch_size]), ShapeTuple([RNN_HISTORY])
             )
@@ -214,7 +243,7 @@ class Model:
     def supports_rollback(self) -> bool:
         """Whether a sequence can drop its last tokens (`popn`) and be forked at any position:
         a paged KV cache can; an RNN state (one history slot) only forks at its end."""
-        return self.arch.state != "rnn"
+        return self.state_kind != "rnn"
 
     def fork(self, parent: Sequence, at: int | None = None) -> Sequence:
         """A new sequence whose state is a copy of `parent`'s first `at` tokens (None: all).
@@ -356,7 +385,7 @@ class Model:
 
     def kv_cache_bytes(self) -> int:
         """Bytes the KV cache (or RNN state) holds for its full capacity."""
-        dtype = self.mode.state_dtype(self.arch.state)
+        dtype = self.mode.state_dtype(self.state_kind)
         return int(self.arch.cache_bytes(self.config, dtype, self.max_batch_size,
                                          self._cache_pages() * PAGE_SIZE))
 

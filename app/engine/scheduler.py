@@ -168,7 +168,7 @@ class Scheduler:
         self._reclaimer = self._reclaim_for_others  # (one bound method, to unregister it)
         if self.cache is not None:
             model.add_reclaimer(self._reclaimer)
-        self._bounded = model.arch.state != "rnn"  # a KV cache has a token budget, RNN state not
+        self._bounded = model.state_kind != "rnn"  # a KV cache has a token budget, RNN state not
         # Counters for benchmarks and tests.
         self.decode_steps = 0
         self.decode_seconds = 0.0

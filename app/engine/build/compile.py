@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import tvm
-from tvm import relax
 from tvm.target import Target
 
 from localchat import model_dir as md
@@ -165,6 +164,8 @@ def relax_pipeline(target: Target) -> tvm.transform.Pass:
     targets, and on CUDA once a reduction is 128 or longer (every real model), so matmuls are
     scheduled by the GEMV/fallback rules instead.
     """
+    from tvm import relax  # the compiler's: a runtime-only TVM cannot import it
+
     if target.kind.name == "llvm":
         return relax.get_default_pipeline(target)
     from tvm.relax.backend import gpu_generic
@@ -252,6 +253,29 @@ def quiet_native_output() -> Iterator[None]:
             text = sink.read().decode("utf-8", "replace").strip()
             if text:
                 _log.debug("native output: %s", text)
+
+
+def prebuilt_library(model_dir: Path, target_key: str,
+                     log: Callable[[str], None] | None = None) -> CompiledLibrary:
+    """The library a model directory's lib/ holds for `target_key` (`runtime_target_key`),
+    compiled on another machine: what a runtime-only TVM runs, since it cannot compile. Only a
+    copy that matches its recorded sha256; CompileError names the command that makes one."""
+    model_dir = Path(model_dir)
+    names = [name for name in md.library_files(model_dir)
+             if md.library_target(name) == target_key
+             or (target_key == "llvm" and md.library_target(name).startswith("llvm-"))]
+    # the newest first: an older compile of the same model is left over from an earlier engine
+    names.sort(key=lambda name: (model_dir / md.LIB_DIR / name).stat().st_mtime, reverse=True)
+    for name in names:
+        found = md.trusted_library(model_dir, name, log=log)
+        if found is not None:
+            return CompiledLibrary(found, compiled=False, seconds=0.0)
+    spec = target_key.replace("cuda-", "cuda:") if target_key.startswith("cuda-") else \
+        {"llvm": "cpu"}.get(target_key, target_key)
+    raise CompileError(
+        f"{model_dir.name} has no library compiled for {target_key}, and this TVM is a runtime "
+        f"without its compiler: compile one where the full apache-tvm is installed "
+        f"(`localchat convert SOURCE --device {spec} -o DIR`) and copy the directory here")
 
 
 def model_library(

@@ -121,6 +121,9 @@ class Entry:
     model_types: tuple[str, ...]
     gguf_architectures: tuple[str, ...] = ()
     embedding_of: str = ""
+    # its Architecture.state, known without importing the module (which imports TVM's
+    # compiler): what a runtime-only TVM needs to run a library compiled elsewhere
+    state: str = "kv"
 
     def load(self) -> Architecture:
         # imported on use: the model modules import TVM, the registry's users often do not need it
@@ -154,24 +157,35 @@ REGISTRY: tuple[Entry, ...] = (
     Entry("mixtral", "mixtral", ("MixtralForCausalLM",), ("mixtral",)),
     Entry("gpt_oss", "gpt_oss", ("GptOssForCausalLM",), ("gpt_oss",),
           gguf_architectures=("gpt-oss",)),
-    Entry("rwkv4", "rwkv4", ("RwkvForCausalLM",), ("rwkv",)),
-    Entry("rwkv6", "rwkv6", ("Rwkv6ForCausalLM",), ("rwkv6",)),
-    Entry("rwkv7", "rwkv7", ("Rwkv7ForCausalLM",), ("rwkv7",)),
+    Entry("rwkv4", "rwkv4", ("RwkvForCausalLM",), ("rwkv",), state="rnn"),
+    Entry("rwkv6", "rwkv6", ("Rwkv6ForCausalLM",), ("rwkv6",), state="rnn"),
+    Entry("rwkv7", "rwkv7", ("Rwkv7ForCausalLM",), ("rwkv7",), state="rnn"),
     # text encoders for embeddings (state "encoder": no KV cache, one `encode` function)
-    Entry("bert", "bert", ("BertModel", "BertForMaskedLM", "BertForPreTraining"), ("bert",)),
+    Entry("bert", "bert", ("BertModel", "BertForMaskedLM", "BertForPreTraining"), ("bert",),
+          state="encoder"),
     Entry("nomic_bert", "bert", ("NomicBertModel", "NomicBertForMaskedLM",
-                                 "NomicBertForPreTraining"), ("nomic_bert",)),
+                                 "NomicBertForPreTraining"), ("nomic_bert",), state="encoder"),
     # a Qwen3 with sentence-transformers files (Qwen3-Embedding), or a bare Qwen3Model
-    Entry("qwen3_embedding", "qwen3_embedding", ("Qwen3Model",), (), embedding_of="qwen3"),
+    Entry("qwen3_embedding", "qwen3_embedding", ("Qwen3Model",), (), embedding_of="qwen3",
+          state="encoder"),
 )
+
+
+def _entry(name: str) -> Entry:
+    for entry in REGISTRY:
+        if entry.name == name:
+            return entry
+    raise UnsupportedModelError(f"unknown architecture {name!r}")
 
 
 def get_architecture(name: str) -> Architecture:
     """The architecture stored in a model directory's localchat-config.json."""
-    for entry in REGISTRY:
-        if entry.name == name:
-            return entry.load()
-    raise UnsupportedModelError(f"unknown architecture {name!r}")
+    return _entry(name).load()
+
+
+def architecture_state(name: str) -> str:
+    """The state an architecture keeps ("kv", "rnn" or "encoder"), without importing it."""
+    return _entry(name).state
 
 
 def detect_architecture(hf_config: dict[str, Any],

@@ -221,29 +221,39 @@ def linear(
             out=nn.Tensor.placeholder((rows, n), mode.dtype),
         )
         return op.reshape(out, lead + [n])
-    if mode.quantized and asym:
+    # GPUs: one x times W^T with the dequantization inline, accumulated in float32. As
+    # dequantize -> permute_dims -> matmul, each call wrote a dequantized, transposed copy of
+    # the weight (decode on an H100 at 2% of its bandwidth: those copies were the time).
+    quantized = mode.quantized
+    if asym:
+        # the scale and min of a group, two reads of one row, fail dlight's one-element access
+        # analysis when inlined: dequantized apart (the asymmetric modes hold GGUF Q4_1 files
+        # for the CPU)
         w = op.tensor_expr_op(
             lambda words, sc: te.compute(
-                (n, k),
-                lambda i, j: _dequant_value(words, sc, i, j, mode.dtype, True),
-                name="dequantize",
-            ),
-            "dequantize",
-            args=[weight, scale],
+                (n, k), lambda i, j: _dequant_value(words, sc, i, j, mode.dtype, True),
+                name="dequantize"),
+            "dequantize", args=[weight, scale])
+        out = op.matmul(x, op.permute_dims(w))
+        return out + bias if bias is not None else out
+
+    def nt_matmul(xt: te.Tensor, words: te.Tensor, *rest: te.Tensor) -> te.Tensor:
+        sc = rest[0] if quantized else None
+        r = te.reduce_axis((0, k), name="k")
+
+        def w_at(i, j):
+            return _dequant_value(words, sc, i, j, mode.dtype, asym) if quantized else words[i, j]
+
+        acc = te.compute(
+            (*lead, n),
+            lambda *idx: te.sum(xt[(*idx[:-1], r)].astype("float32")
+                                * w_at(idx[-1], r).astype("float32"), axis=r),
+            name="nt_matmul",
         )
-    elif mode.quantized:
-        w = op.tensor_expr_op(
-            lambda words, sc: te.compute(
-                (n, k),
-                lambda i, j: _dequant_value(words, sc, i, j, mode.dtype),
-                name="dequantize",
-            ),
-            "dequantize",
-            args=[weight, scale],
-        )
-    else:
-        w = weight
-    out = op.matmul(x, op.permute_dims(w))
+        return te.compute((*lead, n), lambda *idx: acc[idx].astype(mode.dtype), name="nt_cast")
+
+    out = op.tensor_expr_op(nt_matmul, "nt_matmul",
+                            args=[x, weight] + ([scale] if quantized else []))
     if bias is not None:
         out = out + bias
     return out

@@ -1,0 +1,405 @@
+"""The GPU path, run for real: tiny random models of every architecture, compiled here for a
+CUDA GPU on another machine, then run there on a runtime-only TVM and compared with their
+references (transformers float32, or the `rwkv` package for BlinkDL's RWKV-6/7).
+
+    python bench/gpu_check.py prepare .gpu/check --arch sm_90   # here: full apache-tvm
+    python bench/gpu_check.py run .gpu/check --json out.json    # there: TVM_USE_RUNTIME_LIB=1
+
+`prepare` converts each model (`localchat convert --device cuda:sm_90` does the same), keeps
+the reference's greedy tokens and logits beside it, and notes a model the GPU path refuses.
+`prepare --speed F16.gguf` also converts a large model (bench_engine.py's `1b` shape) at
+q4f16_1 and q0f16 and keeps only the weights' layout: `run` writes random weights of that
+layout there (the files are too big to carry) and times a 451-token prefill and decode steps,
+with decode's weight bytes per second beside the GPU's copy bandwidth measured in the same run.
+`run` needs only TVM's runtime and numpy: per model and mode it prints the top-1 agreement of
+our teacher-forced logits with the reference, the largest logit error relative to the
+reference's largest logit, whether the greedy run equals the reference (asked of q0f32, as on
+the CPU), how far a batched run is from the same sequence alone, and the time of a decode step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+STEPS = 24
+QUANTS = ("q0f32", "q0f16", "q4f16_1")
+SPEED_QUANTS = ("q4f16_1", "q0f16")
+SPEED_PROMPT, SPEED_STEPS = 451, 64
+# name -> (builder module, variant); transformers' tiny models of tests/*_variants.py
+HF_CASES = {
+    "llama": ("llama_variants", "llama-odd"),
+    "qwen2": ("llama_variants", "qwen2-odd"),
+    "qwen3": ("llama_variants", "qwen3-odd"),
+    "gemma2": ("llama_variants", "gemma2-odd"),
+    "gemma3": ("llama_variants", "gemma3-odd"),
+    "olmo2": ("llama_variants", "olmo2-odd"),
+    "smollm3": ("llama_variants", "smollm3-odd"),
+    "phi3": ("llama_variants", "phi3-odd"),
+    "mistral": ("llama_variants", "mistral-odd"),
+    "qwen3-moe": ("moe_variants", "qwen3-moe"),
+    "olmoe": ("moe_variants", "olmoe"),
+    "mixtral": ("moe_variants", "mixtral"),
+    "gpt-oss": ("moe_variants", "gpt-oss"),
+    "rwkv4": ("rwkv_variants", "rwkv4-odd"),
+}
+# Gemma 3 again with its window wider than prompt + reply: the window's part in a fault
+WIDE_WINDOW = {"gemma3-wide": ("gemma3-odd", {"sliding_window": 64})}
+PTH_CASES = {"rwkv6": "rwkv6_variants", "rwkv7": "rwkv7_variants"}
+
+
+def _prompt(vocab: int) -> list[int]:
+    return [int(t) for t in np.random.RandomState(11).randint(3, min(vocab, 300), 20)]
+
+
+def _hf_reference(folder: Path, prompt: list[int]) -> tuple[list[int], np.ndarray]:
+    """transformers' float32 greedy continuation of `prompt` and the logits before each token."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                              attn_implementation="eager").eval()
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=STEPS, min_new_tokens=STEPS,
+                          do_sample=False, output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):].tolist(), np.stack([lg[0].numpy() for lg in out.logits])
+
+
+def _sources() -> dict[str, tuple[Path, Any]]:
+    """name -> (the folder convert reads, a function of the prompt giving the reference)."""
+    import importlib
+
+    from fixtures import pth_folder
+
+    out: dict[str, tuple[Path, Any]] = {}
+    for name, (module, variant) in HF_CASES.items():
+        folder = importlib.import_module(module).build_variant(variant)
+        out[name] = (folder, lambda prompt, f=folder: _hf_reference(f, prompt))
+    import llama_variants
+
+    for name, (variant, change) in WIDE_WINDOW.items():
+        cls, cfg = llama_variants.ODD_VARIANTS[variant]
+        llama_variants.ODD_VARIANTS.setdefault(name, (cls, {**cfg, **change}))
+        folder = llama_variants.build_variant(name)
+        out[name] = (folder, lambda prompt, f=folder: _hf_reference(f, prompt))
+    for name, module in PTH_CASES.items():
+        mod = importlib.import_module(module)
+        # a small vocabulary: the World one's 65,536 rows make megabytes too many to carry
+        mod.VARIANTS.setdefault(f"{name}-gpu", {"vocab_size": 1001})
+        pth = mod.build_variant(f"{name}-gpu") / "model.pth"
+        out[name] = (pth_folder(pth), lambda prompt, m=mod, p=pth: m.reference_greedy(
+            p, prompt, STEPS))
+    return out
+
+
+def prepare(root: Path, arch: str, only: list[str] | None,
+            quants: tuple[str, ...] = QUANTS) -> None:
+    """Convert and cross-compile every model, with its reference, into `root`."""
+    from localchat.engine.build.convert import convert_model, read_hf_config
+    from localchat.engine.device import cross_compile_device
+
+    device = cross_compile_device(f"cuda:{arch}")
+    root.mkdir(parents=True, exist_ok=True)
+    known = root / "cases.json"
+    cases: dict[str, Any] = json.loads(known.read_text())["cases"] if known.exists() else {}
+    for name, (folder, reference) in _sources().items():
+        if only and name not in only:
+            continue
+        vocab = int(read_hf_config(folder).get("vocab_size", 300))
+        prompt = _prompt(vocab)
+        tokens, logits = reference(prompt)
+        np.save(root / f"{name}-reference.npy", np.asarray(logits, dtype=np.float32))
+        case: dict[str, Any] = {"prompt": prompt, "tokens": [int(t) for t in tokens],
+                                "models": {}, "refused": {}}
+        for quant in quants:
+            out = root / f"{name}-{quant}"
+            shutil.rmtree(out, ignore_errors=True)
+            t0 = time.perf_counter()
+            try:
+                convert_model(folder, out, quant, compile_for=device)
+            except Exception as exc:  # the GPU path refuses it: say why, go on
+                case["refused"][quant] = str(exc).strip().splitlines()[-1]
+                print(f"{name} {quant}: refused: {case['refused'][quant]}", flush=True)
+                continue
+            case["models"][quant] = out.name
+            print(f"{name} {quant}: {time.perf_counter() - t0:.1f} s", flush=True)
+        cases[name] = case
+    (root / "cases.json").write_text(json.dumps({"arch": arch, "cases": cases}, indent=1))
+
+
+def prepare_speed(root: Path, arch: str, gguf: Path) -> None:
+    """The large model's directories at SPEED_QUANTS, compiled for `arch`, weights removed."""
+    from localchat.engine.build import convert_source
+    from localchat.engine.device import cross_compile_device
+
+    device = cross_compile_device(f"cuda:{arch}")
+    for quant in SPEED_QUANTS:
+        out = root / f"speed-{quant}"
+        shutil.rmtree(out, ignore_errors=True)
+        convert_source(gguf, out, quant, scratch_dir=root, compile_for=device)
+        for shard in out.glob("params_shard_*.bin"):
+            shard.unlink()  # `run` writes random ones of the same sizes there
+        print(f"speed {quant}: prepared", flush=True)
+
+
+def _check(model_dir: Path, case: dict[str, Any], reference: np.ndarray, quant: str
+           ) -> dict[str, Any]:
+    from localchat.engine.runtime import Model
+
+    from model_oracle import batched_and_alone, run_greedy, run_teacher_forced
+
+    model = Model(model_dir, "cuda", max_batch_size=4)
+    prompt, tokens = case["prompt"], case["tokens"]
+    ours = np.stack(run_teacher_forced(model, prompt, tokens))
+    top1 = float(np.mean(ours.argmax(-1) == reference.argmax(-1)))
+    err = float(np.abs(ours - reference).max() / np.abs(reference).max())
+    # the prompt fed one token at a time (decode steps only): tells a prefill fault from a
+    # decode one
+    seq = model.new_sequence()
+    stepwise = [model.prefill(seq, prompt[:1])]
+    for tok in prompt[1:] + tokens[:-1]:
+        stepwise.append(model.decode([seq], [tok])[0])
+    model.remove(seq)
+    stepwise = np.stack(stepwise[len(prompt) - 1:])
+    step_top1 = float(np.mean(stepwise.argmax(-1) == reference.argmax(-1)))
+    step_err = float(np.abs(stepwise - reference).max() / np.abs(reference).max())
+    greedy = run_greedy(model, prompt, STEPS)
+    pairs = batched_and_alone(model, [prompt, prompt[:7], prompt[3:16]], steps=4)
+    batched = max(float(np.abs(np.stack(a) - np.stack(b)).max() / np.abs(np.stack(b)).max())
+                  for a, b in pairs)
+    seq = model.new_sequence()
+    tok = int(np.argmax(model.prefill(seq, prompt)))
+    t0 = time.perf_counter()
+    for _ in range(32):
+        tok = int(np.argmax(model.decode([seq], [tok])[0]))
+    step_ms = (time.perf_counter() - t0) / 32 * 1e3
+    model.remove(seq)
+    return {"top1": top1, "rel_err": err, "greedy_equal": greedy == tokens,
+            "greedy_prefix": next((i for i, (a, b) in enumerate(zip(greedy, tokens)) if a != b),
+                                  len(tokens)),
+            "batched_vs_alone": batched, "decode_ms": step_ms,
+            "stepwise_top1": step_top1, "stepwise_rel_err": step_err}
+
+
+def _random_weights(model_dir: Path) -> int:
+    """Random weights in place of the removed shards, record by record (floats small and
+    finite, packed integers any bits); the bytes a decode step reads (all but the embedding)."""
+    rng = np.random.default_rng(0)
+    shards = json.loads((model_dir / "tensor-cache.json").read_text())["records"]
+    # a tied head reads the whole embedding each step; an untied one reads a row of it
+    untied = any(r["name"].startswith("lm_head.") for sh in shards for r in sh["records"])
+    read = 0
+    for shard in shards:
+        buf = bytearray(int(shard["nbytes"]))
+        for rec in shard["records"]:
+            n, off, dtype = int(rec["nbytes"]), int(rec["byteOffset"]), rec["dtype"]
+            if dtype.startswith("float"):
+                vals = rng.standard_normal(n // np.dtype(dtype).itemsize) * 0.02
+                data = vals.astype(dtype).tobytes()
+            else:
+                data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+            buf[off:off + n] = data
+            if not (untied and rec["name"].startswith("model.embed_tokens.")):
+                read += n
+        (model_dir / shard["dataPath"]).write_bytes(bytes(buf))
+    return read
+
+
+def _copy_bandwidth() -> float:
+    """The GPU's device-to-device copy rate in GB/s (bytes read plus written), through TVM."""
+    import tvm
+
+    dev = tvm.cuda(0)
+    src = tvm.runtime.empty((1 << 28,), "float32", dev)  # 1 GiB
+    dst = tvm.runtime.empty((1 << 28,), "float32", dev)
+    src.copyto(dst)
+    dev.sync()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        src.copyto(dst)
+    dev.sync()
+    return 10 * 2 * (1 << 30) / (time.perf_counter() - t0) / 1e9
+
+
+def _kernel_profile(model: Any, prompt: list[int], quant: str) -> None:
+    """The GPU kernels of one prefill and 8 decode steps by their total time (CUPTI through
+    torch's profiler, which records every kernel of the process); skipped without torch."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return
+    for what, steps in (("prefill", 0), ("decode", 8)):
+        seq = model.new_sequence()
+        tok = int(np.argmax(model.prefill(seq, prompt if steps == 0 else prompt[:16])))
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            if steps == 0:
+                model.remove(seq)
+                seq = model.new_sequence()
+                model.prefill(seq, prompt)
+            for _ in range(steps):
+                tok = int(np.argmax(model.decode([seq], [tok])[0]))
+        model.remove(seq)
+        events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        total: dict[str, list[float]] = {}
+        for e in events:
+            entry = total.setdefault(e.name[:60], [0.0, 0])
+            entry[0] += e.device_time_total if hasattr(e, "device_time_total") else \
+                e.cuda_time_total
+            entry[1] += 1
+        whole = sum(t for t, _ in total.values())
+        print(f"  {quant} {what}: {whole / 1e3:.1f} ms of kernels, {len(events)} launches",
+              flush=True)
+        for name, (t, n) in sorted(total.items(), key=lambda kv: -kv[1][0])[:10]:
+            print(f"    {t / 1e3:8.2f} ms {n:5d}x  {name}", flush=True)
+
+
+def run_speed(root: Path) -> list[dict[str, Any]]:
+    """Prefill and decode rates of the large model on the GPU, beside its copy bandwidth."""
+    from localchat.engine.runtime import Model
+
+    rows = []
+    bandwidth = _copy_bandwidth()
+    print(f"\nGPU copy bandwidth: {bandwidth:.0f} GB/s (read + written)", flush=True)
+    prompt = [int(t) for t in np.random.RandomState(3).randint(3, 40000, SPEED_PROMPT)]
+    for quant in SPEED_QUANTS:
+        folder = root / f"speed-{quant}"
+        if not folder.is_dir():
+            continue
+        read = _random_weights(folder)
+        model = Model(folder, "cuda", max_batch_size=4, max_total_tokens=4096)
+        seq = model.new_sequence()
+        model.prefill(seq, prompt[:32])  # warm
+        model.remove(seq)
+        seq = model.new_sequence()
+        t0 = time.perf_counter()
+        tok = int(np.argmax(model.prefill(seq, prompt)))
+        prefill = SPEED_PROMPT / (time.perf_counter() - t0)
+        for _ in range(4):
+            tok = int(np.argmax(model.decode([seq], [tok])[0]))
+        t0 = time.perf_counter()
+        for _ in range(SPEED_STEPS):
+            tok = int(np.argmax(model.decode([seq], [tok])[0]))
+        decode = SPEED_STEPS / (time.perf_counter() - t0)
+        model.remove(seq)
+        _kernel_profile(model, prompt, quant)
+        row = {"quant": quant, "weight_mb": read / 1e6, "prefill": prefill, "decode": decode,
+               "roofline": decode * read / 1e9 / (bandwidth / 2)}
+        rows.append(row)
+        print(f"{quant:<8} {read / 1e6:8.0f} MB/token  prefill {prefill:8.1f} tok/s  decode "
+              f"{decode:7.1f} tok/s  {row['roofline']:.0%} of the read roofline", flush=True)
+        del model
+    return rows
+
+
+def _check_case(root: Path, name: str, case: dict[str, Any]
+                ) -> tuple[list[dict[str, Any]], list[str], int]:
+    """One model's rows, printed lines and failures, in every mode prepared."""
+    import io
+    from contextlib import redirect_stderr
+
+    reference = np.load(root / f"{name}-reference.npy")
+    rows, lines, failed = [], [], 0
+    for quant, why in case["refused"].items():
+        rows.append({"model": name, "quant": quant, "refused": why})
+        lines.append(f"{name:<11} {quant:<8} refused at compile: {why}")
+    for quant, folder in case["models"].items():
+        try:
+            with redirect_stderr(io.StringIO()):
+                r = _check(root / folder, case, reference, quant)
+        except Exception as exc:
+            failed += 1
+            rows.append({"model": name, "quant": quant, "error": repr(exc)})
+            lines.append(f"{name:<11} {quant:<8} ERROR {exc!r}\n{traceback.format_exc()}")
+            continue
+        # q0f32 must follow the reference token for token (as on the CPU), and a batched run
+        # equal the run alone within rounding; the 4-bit modes' agreement with float32 is
+        # reported (a tiny random model's is as low on the CPU: compare the CPU tests)
+        exact = quant == "q0f32"
+        ok = (r["greedy_equal"] and r["rel_err"] < 1e-3 if exact else True) \
+            and r["batched_vs_alone"] < (1e-3 if exact else 2e-2)
+        failed += not ok
+        rows.append({"model": name, "quant": quant, **r, "ok": ok})
+        greedy = "equal" if r["greedy_equal"] else f"to {r['greedy_prefix']}"
+        lines.append(f"{name:<11} {quant:<8} {r['top1']:6.0%} {r['rel_err']:8.1e} {greedy:>10} "
+                     f"{r['batched_vs_alone']:8.1e} {r['decode_ms']:8.2f}  "
+                     f"{'ok' if ok else 'FAIL'}  (token by token: {r['stepwise_top1']:.0%}, "
+                     f"{r['stepwise_rel_err']:.1e})")
+    return rows, lines, failed
+
+
+def run(root: Path, json_out: Path | None, only: list[str] | None = None,
+        jobs: int = 1) -> int:
+    """Run every prepared model on the GPU and print the table; 1 when a check fails. With
+    `jobs`, models run in that many processes at once (each load compiles its CUDA source)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from localchat.engine.device import device_present
+
+    spec = json.loads((root / "cases.json").read_text())
+    cases = [(n, c) for n, c in spec["cases"].items() if not only or n in only]
+    rows: list[dict[str, Any]] = []
+    failed = 0
+    print(f"{'model':<11} {'mode':<8} {'top-1':>6} {'rel err':>8} {'greedy':>10} "
+          f"{'batch':>8} {'ms/step':>8}  verdict", flush=True)
+    # the workers start before this process touches CUDA (spawned: a fork would share it)
+    with ProcessPoolExecutor(max(1, jobs), mp_context=multiprocessing.get_context("spawn")) \
+            as pool:
+        futures = [pool.submit(_check_case, root, n, c) for n, c in cases]
+        for future in futures:
+            case_rows, lines, case_failed = future.result()
+            rows += case_rows
+            failed += case_failed
+            print("\n".join(lines), flush=True)
+    if not device_present("cuda"):
+        print("no CUDA device here (or TVM's CUDA runtime did not load)", flush=True)
+        return 2
+    try:
+        speed = run_speed(root)
+    except Exception as exc:
+        print(f"speed: ERROR {exc!r}", flush=True)
+        traceback.print_exc()
+        speed = []
+    if json_out:
+        json_out.write_text(json.dumps({"checks": rows, "speed": speed}, indent=1))
+    print(f"{failed} failed", flush=True)
+    return 1 if failed else 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("prepare")
+    a.add_argument("root", type=Path)
+    a.add_argument("--arch", default="sm_90")
+    a.add_argument("--only", nargs="*", default=None)
+    a.add_argument("--speed", type=Path, default=None, help="an F16 .gguf of the large shape")
+    a.add_argument("--speed-only", action="store_true")
+    a.add_argument("--quants", nargs="*", default=list(QUANTS))
+    b = sub.add_parser("run")
+    b.add_argument("root", type=Path)
+    b.add_argument("--json", type=Path, default=None)
+    b.add_argument("--only", nargs="*", default=None)
+    b.add_argument("--jobs", type=int, default=1)
+    args = p.parse_args()
+    if args.cmd == "prepare":
+        if not args.speed_only:
+            prepare(args.root, args.arch, args.only, tuple(args.quants))
+        if args.speed:
+            prepare_speed(args.root, args.arch, args.speed)
+        return 0
+    return run(args.root, args.json, args.only, args.jobs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
