@@ -47,12 +47,16 @@ HF_CASES = {
     "smollm3": ("llama_variants", "smollm3-odd"),
     "phi3": ("llama_variants", "phi3-odd"),
     "mistral": ("llama_variants", "mistral-odd"),
-    "qwen3-moe": ("moe_variants", "qwen3-moe"),
-    "olmoe": ("moe_variants", "olmoe"),
-    "mixtral": ("moe_variants", "mixtral"),
+    "qwen3-moe": ("moe_variants", "qwen3-moe-gpu"),
+    "olmoe": ("moe_variants", "olmoe-gpu"),
+    "mixtral": ("moe_variants", "mixtral-gpu"),
     "gpt-oss": ("moe_variants", "gpt-oss"),
     "rwkv4": ("rwkv_variants", "rwkv4-odd"),
 }
+# the MoE variants with heads of 32: TVM's float32 GPU prefill has no tiling for their 36
+MOE_GPU = {"qwen3-moe-gpu": ("qwen3-moe", {"head_dim": 32}),
+           "olmoe-gpu": ("olmoe", {"hidden_size": 128}),
+           "mixtral-gpu": ("mixtral", {"head_dim": 32})}
 # Gemma 3 again with its window wider than prompt + reply: the window's part in a fault
 WIDE_WINDOW = {"gemma3-wide": ("gemma3-odd", {"sliding_window": 64})}
 PTH_CASES = {"rwkv6": "rwkv6_variants", "rwkv7": "rwkv7_variants"}
@@ -79,8 +83,12 @@ def _sources() -> dict[str, tuple[Path, Any]]:
     """name -> (the folder convert reads, a function of the prompt giving the reference)."""
     import importlib
 
+    import moe_variants
     from fixtures import pth_folder
 
+    for name, (base, change) in MOE_GPU.items():
+        cls, cfg = moe_variants.VARIANTS[base]
+        moe_variants.VARIANTS.setdefault(name, (cls, {**cfg, **change}))
     out: dict[str, tuple[Path, Any]] = {}
     for name, (module, variant) in HF_CASES.items():
         folder = importlib.import_module(module).build_variant(variant)

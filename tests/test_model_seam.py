@@ -112,11 +112,11 @@ def test_the_gpu_form_of_per_layer_rope_equals_hf_rotate_half() -> None:
 
 
 def test_gemma_builds_for_a_gpu_with_what_tvm_has() -> None:
-    """Gemma 3 (per-layer rope, windows) exports for CUDA; Gemma 2's attention soft-cap, which
-    TVM's GPU attention lacks, is refused by name."""
+    """Gemma 3 (per-layer rope, windows) and Gemma 2 export for CUDA; Gemma 2's attention
+    soft-cap, which TVM's GPU attention lacks, is written into its kernels' scores (prefill of
+    a chunk's own tokens, of earlier pages, decode; windowed and not), and into no others."""
+    from tvm import tirx
     from tvm.target import Target
-
-    from localchat.errors import UnsupportedModelError
 
     cuda = Target({"kind": "cuda", "arch": "sm_90a", "max_threads_per_block": 1024,
                    "max_shared_memory_per_block": 49152, "thread_warp_size": 32},
@@ -129,11 +129,12 @@ def test_gemma_builds_for_a_gpu_with_what_tvm_has() -> None:
         arch = get_architecture(name)
         model = arch.build(arch.config_from_hf({**hf, **extra}), get_quant_mode("q4f16_1"),
                            cuda)
-        if name == "gemma3":
-            model.export_tvm(spec=model.get_default_spec())
-        else:
-            with pytest.raises(UnsupportedModelError, match="soft-cap"):
-                model.export_tvm(spec=model.get_default_spec())
+        mod, _ = model.export_tvm(spec=model.get_default_spec())
+        capped = {gv.name_hint for gv, f in mod.functions.items()
+                  if isinstance(f, tirx.PrimFunc) and "tanh" in f.script()}
+        assert capped == (set() if name == "gemma3" else {
+            "batch_prefill_ragged_kv", "batch_prefill_paged_kv", "batch_decode_paged_kv",
+            "batch_prefill_paged_kv_sliding_window", "batch_decode_paged_kv_sliding_window"})
 
 
 def test_the_registry_knows_each_architectures_state_without_importing_it() -> None:
@@ -143,3 +144,33 @@ def test_the_registry_knows_each_architectures_state_without_importing_it() -> N
 
     for entry in REGISTRY:
         assert architecture_state(entry.name) == entry.load().state, entry.name
+
+
+def test_moe_builds_for_a_gpu() -> None:
+    """Qwen3-MoE exports for CUDA (the router one thread per token, the experts one gathered
+    reduction each: no CPU kernel); the asymmetric modes, whose reads dlight cannot inline,
+    are refused by name."""
+    from tvm import tirx
+    from tvm.target import Target
+
+    from localchat.errors import UnsupportedModelError
+
+    cuda = Target({"kind": "cuda", "arch": "sm_90a", "max_threads_per_block": 1024,
+                   "max_shared_memory_per_block": 49152, "thread_warp_size": 32},
+                  host=cpu_target())
+    arch = get_architecture("qwen3_moe")
+    cfg = arch.config_from_hf({
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,
+        "intermediate_size": 96, "moe_intermediate_size": 48, "num_experts": 6,
+        "num_experts_per_tok": 2, "norm_topk_prob": True, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 300,
+        "max_position_embeddings": 128})
+    model = arch.build(cfg, get_quant_mode("q4f16_1"), cuda)
+    mod, _ = model.export_tvm(spec=model.get_default_spec())
+    funcs = {gv.name_hint: f for gv, f in mod.functions.items() if isinstance(f, tirx.PrimFunc)}
+    assert any("threadIdx.x" in f.script() for n, f in funcs.items() if "router" in n)
+    assert any(n.startswith("expert_matmul") for n in funcs)
+    assert not any(n.startswith(("moe_gemv", "moe_combine")) and "parallel" in f.script()
+                   for n, f in funcs.items())
+    with pytest.raises(UnsupportedModelError, match="q4f16_asym"):
+        arch.build(cfg, get_quant_mode("q4f16_asym"), cuda)

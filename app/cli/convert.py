@@ -68,7 +68,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
                                  f"or the RWKV World vocabulary); `localchat run` needs one")
     quant = quant or "q4f32_1"
     get_quant_mode(quant)  # an unknown mode fails before any work
-    from localchat.engine.device import cross_compile_device
+    from localchat.engine import cross_compile_device
 
     elsewhere = cross_compile_device(args.device)  # cuda:sm_90: for a GPU not on this machine
     if args.quant is None and quant != "q4f32_1":

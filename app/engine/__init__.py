@@ -11,7 +11,8 @@ from a module under it:
   `ThreadCountError` (a count that is not a positive whole number);
 - devices (`engine/device.py`): `DEVICE_KINDS`, `backend_supported` (this TVM build has the
   backend), `device_present` (a device of that kind is there), `select_device` (`auto` or a
-  kind -> a `Device` with its TVM target);
+  kind -> a `Device` with its TVM target), `cross_compile_device` (`cuda:sm_90` -> a device to
+  compile for where there is none);
 - build steps (`engine/build/`): `convert_source` (an HF folder or .gguf file -> a model
   directory), `is_gguf`, `inspect_gguf` (the HF config a .gguf file amounts to, or the error
   saying why it cannot be imported), `gguf_default_quantization` (the mode that holds a .gguf
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
     from localchat.engine.device import (
         DEVICE_KINDS,
         backend_supported,
+        cross_compile_device,
         device_present,
         select_device,
     )
@@ -86,6 +88,7 @@ _LAZY = {
     "physical_cores": "localchat.engine.threads",
     "DEVICE_KINDS": "localchat.engine.device",
     "backend_supported": "localchat.engine.device",
+    "cross_compile_device": "localchat.engine.device",
     "device_present": "localchat.engine.device",
     "select_device": "localchat.engine.device",
     "convert_source": "localchat.engine.build",
@@ -123,6 +126,7 @@ __all__ = [
     "check_bench_options",
     "configure_threads",
     "convert_source",
+    "cross_compile_device",
     "debug_model",
     "device_present",
     "ensure_threads",

@@ -1,4 +1,5 @@
-"""Mixture-of-experts kernels on the CPU: the router's top-k and the experts' grouped GEMV.
+"""Mixture-of-experts kernels on the CPU (and the router's on a GPU): the router's top-k and
+the experts' grouped GEMV.
 
 A MoE layer's experts are stored as one 2-D matrix per projection, expert e's rows at
 [e * n, (e + 1) * n) (`models.moe`), in the dense Linear's storage formats (float, or the 4-bit
@@ -92,6 +93,56 @@ def router_topk(experts: int, topk: int, norm: bool, dtype: str) -> tirx.PrimFun
                 if norm:
                     for j in range(topk):
                         wt[t, j] = wt[t, j] / acc[1]
+
+    return _opaque(func)
+
+
+GPU_THREADS = 64  # tokens per thread block of the GPU router (one thread per token)
+
+
+@functools.cache
+def router_topk_gpu(experts: int, topk: int, norm: bool, dtype: str) -> tirx.PrimFunc:
+    """`router_topk` on a GPU: one thread per token, the same operations in the same order."""
+
+    @T.prim_func(private=True, s_tir=True)
+    def func(var_logits: T.handle, var_idx: T.handle, var_w: T.handle):
+        m = T.int64()
+        logits = T.match_buffer(var_logits, (m, experts), dtype)
+        idx = T.match_buffer(var_idx, (m, topk), "int32")
+        wt = T.match_buffer(var_w, (m, topk), F32)
+        with T.sblock("root"):
+            for bx in T.thread_binding((m + GPU_THREADS - 1) // GPU_THREADS, "blockIdx.x"):
+                for tx in T.thread_binding(GPU_THREADS, "threadIdx.x"):
+                    prob = T.alloc_buffer((experts,), F32, scope="local")
+                    acc = T.alloc_buffer((2,), F32, scope="local")
+                    best = T.alloc_buffer((1,), "int32", scope="local")
+                    bestv = T.alloc_buffer((1,), F32, scope="local")
+                    t = bx * GPU_THREADS + tx
+                    if t < m:
+                        acc[0] = T.Cast(F32, logits[t, 0])
+                        for e in range(1, experts):
+                            acc[0] = T.max(acc[0], T.Cast(F32, logits[t, e]))
+                        acc[1] = T.float32(0)
+                        for e in range(experts):
+                            prob[e] = T.exp(T.Cast(F32, logits[t, e]) - acc[0])
+                            acc[1] = acc[1] + prob[e]
+                        for e in range(experts):
+                            prob[e] = prob[e] / acc[1]
+                        acc[1] = T.float32(0)
+                        for j in range(topk):
+                            best[0] = 0
+                            bestv[0] = T.float32(-2)
+                            for e in range(experts):
+                                if prob[e] > bestv[0]:
+                                    best[0] = e
+                                    bestv[0] = prob[e]
+                            idx[t, j] = best[0]
+                            wt[t, j] = prob[best[0]]
+                            acc[1] = acc[1] + prob[best[0]]
+                            prob[best[0]] = T.float32(-1)
+                        if norm:
+                            for j in range(topk):
+                                wt[t, j] = wt[t, j] / acc[1]
 
     return _opaque(func)
 

@@ -259,6 +259,36 @@ def linear(
     return out
 
 
+def expert_linear_gpu(x: nn.Tensor, weight: nn.Tensor, scale: nn.Tensor | None,
+                      idx: nn.Tensor, n: int, mode: QuantMode) -> nn.Tensor:
+    """y [t, topk, n] = x[t, j or 0] times expert idx[t, j]'s rows of weight [experts * n, K]
+    transposed, on a GPU: one reduction with the dequantization inline (as `linear`'s GPU
+    form), accumulated in float32. x [t, 1, K] serves every slot (the gate/up projection),
+    x [t, topk, K] one per slot (the down projection)."""
+    k = int(x.shape[-1])
+    topk = int(idx.shape[1])
+    shared = int(x.shape[1]) == 1
+    quantized = mode.quantized
+
+    def gathered(xt: te.Tensor, words: te.Tensor, ids: te.Tensor, *rest: te.Tensor) -> te.Tensor:
+        sc = rest[0] if quantized else None
+        r = te.reduce_axis((0, k), name="k")
+
+        def w_at(row, col):
+            return _dequant_value(words, sc, row, col, mode.dtype) if quantized else words[row, col]
+
+        acc = te.compute(
+            (xt.shape[0], topk, n),
+            lambda t, j, c: te.sum(
+                xt[t, 0 if shared else j, r].astype("float32")
+                * w_at(ids[t, j].astype("int64") * n + c, r).astype("float32"), axis=r),
+            name="expert_matmul")
+        return te.compute(acc.shape, lambda *i: acc[i].astype(mode.dtype), name="expert_cast")
+
+    return op.tensor_expr_op(gathered, "expert_matmul",
+                             args=[x, weight, idx] + ([scale] if quantized else []))
+
+
 def _rowwise(func, name: str, x: nn.Tensor, extra: list[nn.Tensor], n_out: int) -> nn.Tensor:
     """A row-wise CPU kernel on x [b, s, K] (no reshapes: each would be a copy kernel)."""
     b, s = x.shape[0], x.shape[1]

@@ -28,6 +28,7 @@ from localchat.engine.kernels.attention import (
     rotary_qkv_cpu,
     windowed_sm_scale,
 )
+from localchat.engine.kernels.gpu_attention import soft_cap_attention
 from localchat.engine.models import Architecture, GgufMap, GgufSource, probes
 from localchat.engine.models.export import model_spec
 from localchat.engine.models.layers import (
@@ -494,15 +495,11 @@ class LlamaForCausalLM(nn.Module):
             attn_kind = ["mha_sliding" if cfg.layer_options(i)["window"] else "mha"
                          for i in range(cfg.num_hidden_layers)]
             options["layer_sliding_window_size"] = cfg.sliding_window
-        if cfg.attn_softcap:
-            if not cpu:
-                raise UnsupportedModelError(
-                    "attention soft-capping runs on the CPU kernels only (TVM 0.27's GPU "
-                    "attention has no soft-cap)")
+        if cfg.attn_softcap and cpu:
             options["attn_soft_cap"] = cfg.attn_softcap
         if cfg.attn_sinks:
             options["attn_sinks"] = True  # a CPU target: LlamaAttention refuses others
-        return make(
+        cache = make(
             attn_kind=attn_kind,
             max_batch_size=max_batch_size,
             max_total_seq_len=max_total_seq_len,
@@ -528,6 +525,9 @@ class LlamaForCausalLM(nn.Module):
             target=self.target,
             **options,
         )
+        if cfg.attn_softcap and not cpu:  # TVM's GPU kernels, rewritten to cap their scores
+            soft_cap_attention(cfg.attn_softcap)
+        return cache
 
     def get_default_spec(self) -> nn.spec.ModuleSpec:
         return model_spec(self, hidden_size=self.cfg.hidden_size, dtype=self.mode.dtype,

@@ -27,13 +27,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from tvm import te
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 from localchat.engine.build.quantization import get_quant_mode
 from localchat.engine.kernels import moe as moe_kernels
 from localchat.engine.models import Architecture, GgufMap, GgufSource, llama, probes
-from localchat.engine.models.layers import BuildContext, Linear, linear, silu_mul
+from localchat.engine.models.layers import (
+    BuildContext,
+    Linear,
+    expert_linear_gpu,
+    linear,
+    silu_mul,
+)
 from localchat.errors import ModelConfigError, UnsupportedModelError
 
 
@@ -115,9 +122,10 @@ class MoeMLP(nn.Module):
         if ctx.mode.quantized and ctx.mode.bits not in (4, 8):
             raise UnsupportedModelError(f"MoE experts in {ctx.mode.name} are not supported "
                                         f"(float, 4-bit or 8-bit modes)")
-        if not ctx.cpu:
+        if not ctx.cpu and ctx.mode.asymmetric:
             raise UnsupportedModelError(
-                f"mixture-of-experts models run on the CPU only (not {ctx.target_kind})")
+                f"mixture-of-experts models in {ctx.mode.name} run on the CPU only (on a GPU: "
+                f"q0f16, q4f16_1, q8f16_0)")
         self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
         self.hidden, self.inter = cfg.hidden_size, cfg.moe_intermediate_size
         self.norm = cfg.norm_topk_prob
@@ -137,6 +145,8 @@ class MoeMLP(nn.Module):
     def _grouped(self, x: nn.Tensor, proj: Linear, idx: nn.Tensor, k: int, n: int,
                  shared: bool) -> nn.Tensor:
         """x [t, 1 or top_k, k] through the selected experts of `proj` -> [t, top_k, n]."""
+        if not self.ctx.cpu:
+            return expert_linear_gpu(x, proj.weight, proj.scale, idx, n, self.mode)
         func = moe_kernels.moe_gemv(k, n, self.num_experts, self.top_k, self.ctx.dtype,
                                     self._quant(), self.ctx.isa, shared)
         weights = [proj.weight] + ([proj.scale] if proj.scale is not None else [])
@@ -163,7 +173,8 @@ class MoeMLP(nn.Module):
         logits = linear(x2, self.gate.weight, None, self.gate.bias, self.float_mode,
                         self.ctx.target_kind, False, gemv)
         t, k, f = b * s, self.top_k, self.inter
-        func = moe_kernels.router_topk(self.num_experts, k, self.norm, self.ctx.dtype)
+        router = moe_kernels.router_topk if self.ctx.cpu else moe_kernels.router_topk_gpu
+        func = router(self.num_experts, k, self.norm, self.ctx.dtype)
         idx, weight = op.tensor_ir_op(
             func, "router_topk", args=[logits],
             out=[nn.Tensor.placeholder((t, k), "int32"),
@@ -172,14 +183,34 @@ class MoeMLP(nn.Module):
                                 2 * f, shared=True)
         if self.experts.gate_up_bias is not None:
             gate_up = gate_up + op.take(self.experts.gate_up_bias, idx, axis=0)
-        act = silu_mul(gate_up, "llvm") if self.act == "silu" else self._swiglu_clamp(gate_up)
+        act = silu_mul(gate_up, self.ctx.target_kind) if self.act == "silu" else \
+            self._swiglu_clamp(gate_up)
         down = self._grouped(act, self.experts.down_proj, idx, f, h, shared=False)
         if self.experts.down_bias is not None:
             down = down + op.take(self.experts.down_bias, idx, axis=0)
-        out = op.tensor_ir_op(moe_kernels.moe_combine(h, k, self.ctx.dtype), "moe_combine",
-                              args=[down, weight],
-                              out=nn.Tensor.placeholder((t, h), self.ctx.dtype))
+        if self.ctx.cpu:
+            out = op.tensor_ir_op(moe_kernels.moe_combine(h, k, self.ctx.dtype), "moe_combine",
+                                  args=[down, weight],
+                                  out=nn.Tensor.placeholder((t, h), self.ctx.dtype))
+        else:  # the slots summed in order in float32, as moe_combine does
+            out = op.tensor_expr_op(_combine_te(k, self.ctx.dtype), "moe_combine",
+                                    args=[down, weight])
         return probes.probe("mlp", op.reshape(out, (b, s, h)))
+
+
+def _combine_te(topk: int, dtype: str) -> Callable[..., Any]:
+    """out [t, n] = sum_j weight[t, j] * y[t, j] in TE (a GPU's form of moe_combine)."""
+
+    def combine(y: Any, weight: Any) -> Any:
+        def total(t, c):
+            acc = weight[t, 0] * y[t, 0, c].astype("float32")
+            for j in range(1, topk):
+                acc = acc + weight[t, j] * y[t, j, c].astype("float32")
+            return acc.astype(dtype)
+
+        return te.compute((y.shape[0], y.shape[2]), total, name="moe_combine")
+
+    return combine
 
 
 def make_mlp(cfg: MoeConfig, ctx: BuildContext, layer_id: int) -> nn.Module:
