@@ -259,8 +259,9 @@ def test_int8_expert_gemv_matches_numpy_and_one_token_equals_batched(isa: str) -
 
 
 def test_configs() -> None:
-    """Dense layers where Qwen3-MoE's config says; OLMoE's clip_qkv and GPU targets refused
-    with a clear error before any compile."""
+    """Dense layers where Qwen3-MoE's config says; OLMoE's clip_qkv, and the asymmetric modes
+    on a GPU, refused with a clear error before any compile (test_model_seam builds the GPU
+    form)."""
     import tvm
 
     from localchat.engine.build.convert import read_hf_config
@@ -279,7 +280,7 @@ def test_configs() -> None:
         detect_architecture(olmoe).config_from_hf({**olmoe, "clip_qkv": 8.0})
     cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_80"})
     with pytest.raises(UnsupportedModelError, match="CPU only"):
-        arch.build(arch.config_from_hf(hf), get_quant_mode("q4f16_1"), cuda)
+        arch.build(arch.config_from_hf(hf), get_quant_mode("q4f16_asym"), cuda)
 
 
 # -- GGUF: llama.cpp's layout, experts merged per layer ------------------------------------------

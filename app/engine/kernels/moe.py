@@ -48,11 +48,49 @@ VEC_UNROLL = 4  # 16-lane vectors of one row in flight (independent FMA chains)
 BLOCK = 8  # rows of one expert that share each read of its weights (as the VNNI GEMV's block)
 
 
+def _route_macro(experts: int, topk: int, norm: bool):
+    """Token t's routing: the softmax (float32) of logits[t] over all experts, its `topk` largest
+    in descending order into idx[t] and wt[t], renormalized to sum 1 with `norm`; `prob`, `acc`,
+    `best`, `bestv` are the token's scratch ([experts], [2], [1], [1])."""
+
+    @T.macro
+    def route(logits, idx, wt, t, prob, acc, best, bestv):
+        acc[0] = T.Cast(F32, logits[t, 0])
+        for e in range(1, experts):
+            acc[0] = T.max(acc[0], T.Cast(F32, logits[t, e]))
+        acc[1] = T.float32(0)
+        for e in range(experts):
+            prob[e] = T.exp(T.Cast(F32, logits[t, e]) - acc[0])
+            acc[1] = acc[1] + prob[e]
+        for e in range(experts):
+            prob[e] = prob[e] / acc[1]
+        acc[1] = T.float32(0)
+        for j in range(topk):
+            # probabilities are >= 0; a chosen expert is marked -1 and never chosen again;
+            # strictly greater: ties go to the lower expert
+            best[0] = 0
+            bestv[0] = T.float32(-2)
+            for e in range(experts):
+                if prob[e] > bestv[0]:
+                    best[0] = e
+                    bestv[0] = prob[e]
+            idx[t, j] = best[0]
+            wt[t, j] = prob[best[0]]
+            acc[1] = acc[1] + prob[best[0]]
+            prob[best[0]] = T.float32(-1)
+        if norm:
+            for j in range(topk):
+                wt[t, j] = wt[t, j] / acc[1]
+
+    return route
+
+
 @functools.cache
 def router_topk(experts: int, topk: int, norm: bool, dtype: str) -> tirx.PrimFunc:
     """(idx [m, topk] int32, weight [m, topk] float32) from router logits [m, experts]: the
     softmax (float32) over all experts, its `topk` largest in descending order, renormalized to
     sum 1 with `norm`."""
+    route = _route_macro(experts, topk, norm)
 
     @T.prim_func(private=True, s_tir=True)
     def func(var_logits: T.handle, var_idx: T.handle, var_w: T.handle):
@@ -67,32 +105,7 @@ def router_topk(experts: int, topk: int, norm: bool, dtype: str) -> tirx.PrimFun
                 acc = T.alloc_buffer((2,), F32)  # the max, then the sum
                 best = T.alloc_buffer((1,), "int32")
                 bestv = T.alloc_buffer((1,), F32)
-                acc[0] = T.Cast(F32, logits[t, 0])
-                for e in range(1, experts):
-                    acc[0] = T.max(acc[0], T.Cast(F32, logits[t, e]))
-                acc[1] = T.float32(0)
-                for e in range(experts):
-                    prob[e] = T.exp(T.Cast(F32, logits[t, e]) - acc[0])
-                    acc[1] = acc[1] + prob[e]
-                for e in range(experts):
-                    prob[e] = prob[e] / acc[1]
-                acc[1] = T.float32(0)
-                for j in range(topk):
-                    # probabilities are >= 0; a chosen expert is marked -1 and never chosen again;
-                    # strictly greater: ties go to the lower expert
-                    best[0] = 0
-                    bestv[0] = T.float32(-2)
-                    for e in range(experts):
-                        if prob[e] > bestv[0]:
-                            best[0] = e
-                            bestv[0] = prob[e]
-                    idx[t, j] = best[0]
-                    wt[t, j] = prob[best[0]]
-                    acc[1] = acc[1] + prob[best[0]]
-                    prob[best[0]] = T.float32(-1)
-                if norm:
-                    for j in range(topk):
-                        wt[t, j] = wt[t, j] / acc[1]
+                route(logits, idx, wt, t, prob, acc, best, bestv)
 
     return _opaque(func)
 
@@ -103,6 +116,7 @@ GPU_THREADS = 64  # tokens per thread block of the GPU router (one thread per to
 @functools.cache
 def router_topk_gpu(experts: int, topk: int, norm: bool, dtype: str) -> tirx.PrimFunc:
     """`router_topk` on a GPU: one thread per token, the same operations in the same order."""
+    route = _route_macro(experts, topk, norm)
 
     @T.prim_func(private=True, s_tir=True)
     def func(var_logits: T.handle, var_idx: T.handle, var_w: T.handle):
@@ -119,30 +133,7 @@ def router_topk_gpu(experts: int, topk: int, norm: bool, dtype: str) -> tirx.Pri
                     bestv = T.alloc_buffer((1,), F32, scope="local")
                     t = bx * GPU_THREADS + tx
                     if t < m:
-                        acc[0] = T.Cast(F32, logits[t, 0])
-                        for e in range(1, experts):
-                            acc[0] = T.max(acc[0], T.Cast(F32, logits[t, e]))
-                        acc[1] = T.float32(0)
-                        for e in range(experts):
-                            prob[e] = T.exp(T.Cast(F32, logits[t, e]) - acc[0])
-                            acc[1] = acc[1] + prob[e]
-                        for e in range(experts):
-                            prob[e] = prob[e] / acc[1]
-                        acc[1] = T.float32(0)
-                        for j in range(topk):
-                            best[0] = 0
-                            bestv[0] = T.float32(-2)
-                            for e in range(experts):
-                                if prob[e] > bestv[0]:
-                                    best[0] = e
-                                    bestv[0] = prob[e]
-                            idx[t, j] = best[0]
-                            wt[t, j] = prob[best[0]]
-                            acc[1] = acc[1] + prob[best[0]]
-                            prob[best[0]] = T.float32(-1)
-                        if norm:
-                            for j in range(topk):
-                                wt[t, j] = wt[t, j] / acc[1]
+                        route(logits, idx, wt, t, prob, acc, best, bestv)
 
     return _opaque(func)
 
