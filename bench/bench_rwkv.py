@@ -544,7 +544,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--decode", type=int, default=32)
-    parser.add_argument("--chunks", default="128", help="prefill chunk sizes to try, e.g. 64,512")
+    # the models' own default chunk (512 for RWKV-4/6/7): what a user's prefill runs with
+    parser.add_argument("--chunks", default="512", help="prefill chunk sizes to try, e.g. 64,512")
     parser.add_argument("--peer", default="",
                         help="rwkv7 only: llama.cpp in the same run on its own GGUF of the same "
                         "shape, quantized to these types (comma-separated: Q4_0,Q4_K_M,Q4_1)")
