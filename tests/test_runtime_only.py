@@ -104,3 +104,12 @@ def test_a_gpu_prefills_a_windowed_model_in_chunks_no_longer_than_its_window() -
     assert prefill_chunk_for(gemma3, "cuda", 256) == 256
     assert prefill_chunk_for(gemma3, "cpu", 2048) == 2048  # our CPU kernels window within one
     assert prefill_chunk_for({"model_config": {"sliding_window": 0}}, "metal", 2048) == 2048
+
+
+def test_running_on_a_gpu_spec_without_the_gpu_says_how_to_compile_for_it() -> None:
+    from localchat.engine.device import backend_supported, device_present, select_device
+
+    if not backend_supported("cuda") or device_present("cuda"):
+        pytest.skip("this TVM has no CUDA, or this machine has a CUDA GPU")
+    with pytest.raises(DeviceError, match=r"convert --device cuda:sm_90"):
+        select_device("cuda:sm_90")
