@@ -5,6 +5,8 @@ references (transformers float32, or the `rwkv` package for BlinkDL's RWKV-6/7).
     python bench/gpu_check.py prepare .gpu/check --arch sm_90   # here: full apache-tvm
     python bench/gpu_check.py run .gpu/check --json out.json    # there: TVM_USE_RUNTIME_LIB=1
 
+(`bench/gpu_bundle.sh pack` / `run` carry a runtime-only TVM to a GPU machine without one.)
+
 `prepare` converts each model (`localchat convert --device cuda:sm_90` does the same), keeps
 the reference's greedy tokens and logits beside it, and notes a model the GPU path refuses.
 `prepare --speed F16.gguf` also converts a large model (bench_engine.py's `1b` shape) at
