@@ -227,7 +227,7 @@ def compiler_available() -> bool:
 def runtime_target_key(kind: str) -> str:
     """The target key (`compile.target_key`) of the libraries that run on this machine's
     device `kind`, told without the compiler: `cuda-sm_90`, `metal`, `vulkan`; `llvm` for the
-    CPU, whose libraries are named by the CPU (`llvm-znver5`): a prefix to match."""
+    CPU, whose libraries are named by the CPU as well (`llvm-znver5`)."""
     if kind == "cuda":
         return f"cuda-{local_cuda_arch() or 'sm_80'}"
     return "llvm" if kind == "cpu" else kind
@@ -268,5 +268,7 @@ def select_device(requested: str = "auto") -> Device:
             if arch else ""
         raise DeviceError(f"no {kind} device found on this machine{hint}")
     if arch and compiler_available():
-        return cross_compile_device(requested) or Device(kind, _target_for(kind))
+        device = cross_compile_device(requested)
+        assert device is not None  # an architecture is named
+        return device
     return Device(kind, _target_for(kind))

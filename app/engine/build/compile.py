@@ -261,9 +261,9 @@ def prebuilt_library(model_dir: Path, target_key: str,
     compiled on another machine: what a runtime-only TVM runs, since it cannot compile. Only a
     copy that matches its recorded sha256; CompileError names the command that makes one."""
     model_dir = Path(model_dir)
+    # the key, or a longer one of it (`llvm` -> `llvm-znver5`: the CPU's name is not known)
     names = [name for name in md.library_files(model_dir)
-             if md.library_target(name) == target_key
-             or (target_key == "llvm" and md.library_target(name).startswith("llvm-"))]
+             if f"{md.library_target(name)}-".startswith(f"{target_key}-")]
     # the newest first: an older compile of the same model is left over from an earlier engine
     names.sort(key=lambda name: (model_dir / md.LIB_DIR / name).stat().st_mtime, reverse=True)
     for name in names:

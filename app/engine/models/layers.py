@@ -224,7 +224,6 @@ def linear(
     # GPUs: one x times W^T with the dequantization inline, accumulated in float32. As
     # dequantize -> permute_dims -> matmul, each call wrote a dequantized, transposed copy of
     # the weight (decode on an H100 at 2% of its bandwidth: those copies were the time).
-    quantized = mode.quantized
     if asym:
         # the scale and min of a group, two reads of one row, fail dlight's one-element access
         # analysis when inlined: dequantized apart (the asymmetric modes hold GGUF Q4_1 files
@@ -237,26 +236,34 @@ def linear(
         out = op.matmul(x, op.permute_dims(w))
         return out + bias if bias is not None else out
 
-    def nt_matmul(xt: te.Tensor, words: te.Tensor, *rest: te.Tensor) -> te.Tensor:
-        sc = rest[0] if quantized else None
-        r = te.reduce_axis((0, k), name="k")
-
-        def w_at(i, j):
-            return _dequant_value(words, sc, i, j, mode.dtype, asym) if quantized else words[i, j]
-
-        acc = te.compute(
-            (*lead, n),
-            lambda *idx: te.sum(xt[(*idx[:-1], r)].astype("float32")
-                                * w_at(idx[-1], r).astype("float32"), axis=r),
-            name="nt_matmul",
-        )
-        return te.compute((*lead, n), lambda *idx: acc[idx].astype(mode.dtype), name="nt_cast")
+    def nt_matmul(xt: te.Tensor, words: te.Tensor, *sc: te.Tensor) -> te.Tensor:
+        return _reduce_in_f32(
+            (*lead, n), k, mode, "nt_matmul", "nt_cast",
+            lambda idx, r: xt[(*idx[:-1], r)], lambda idx, r: (words, sc, idx[-1], r))
 
     out = op.tensor_expr_op(nt_matmul, "nt_matmul",
-                            args=[x, weight] + ([scale] if quantized else []))
+                            args=[x, weight] + ([scale] if mode.quantized else []))
     if bias is not None:
         out = out + bias
     return out
+
+
+def _reduce_in_f32(shape, k: int, mode: QuantMode, name: str, cast_name: str, x_at, w_at):
+    """out[idx] = sum over r < k of x_at(idx, r) * W[row, r], accumulated in float32 and cast
+    to the mode's type, W's element read where `w_at(idx, r)` = (words, (scale,) or (), row,
+    r) points (dequantized inline in a quantized mode): the GPU linears' one reduction."""
+    r = te.reduce_axis((0, k), name="k")
+
+    def w_value(words, sc, row, col):
+        return _dequant_value(words, sc[0], row, col, mode.dtype) if sc else words[row, col]
+
+    acc = te.compute(
+        shape,
+        lambda *idx: te.sum(x_at(idx, r).astype("float32")
+                            * w_value(*w_at(idx, r)).astype("float32"), axis=r),
+        name=name,
+    )
+    return te.compute(shape, lambda *idx: acc[idx].astype(mode.dtype), name=cast_name)
 
 
 def expert_linear_gpu(x: nn.Tensor, weight: nn.Tensor, scale: nn.Tensor | None,
@@ -268,25 +275,15 @@ def expert_linear_gpu(x: nn.Tensor, weight: nn.Tensor, scale: nn.Tensor | None,
     k = int(x.shape[-1])
     topk = int(idx.shape[1])
     shared = int(x.shape[1]) == 1
-    quantized = mode.quantized
 
-    def gathered(xt: te.Tensor, words: te.Tensor, ids: te.Tensor, *rest: te.Tensor) -> te.Tensor:
-        sc = rest[0] if quantized else None
-        r = te.reduce_axis((0, k), name="k")
-
-        def w_at(row, col):
-            return _dequant_value(words, sc, row, col, mode.dtype) if quantized else words[row, col]
-
-        acc = te.compute(
-            (xt.shape[0], topk, n),
-            lambda t, j, c: te.sum(
-                xt[t, 0 if shared else j, r].astype("float32")
-                * w_at(ids[t, j].astype("int64") * n + c, r).astype("float32"), axis=r),
-            name="expert_matmul")
-        return te.compute(acc.shape, lambda *i: acc[i].astype(mode.dtype), name="expert_cast")
+    def gathered(xt: te.Tensor, words: te.Tensor, ids: te.Tensor, *sc: te.Tensor) -> te.Tensor:
+        return _reduce_in_f32(
+            (xt.shape[0], topk, n), k, mode, "expert_matmul", "expert_cast",
+            lambda i, r: xt[i[0], 0 if shared else i[1], r],
+            lambda i, r: (words, sc, ids[i[0], i[1]].astype("int64") * n + i[2], r))
 
     return op.tensor_expr_op(gathered, "expert_matmul",
-                             args=[x, weight, idx] + ([scale] if quantized else []))
+                             args=[x, weight, idx] + ([scale] if mode.quantized else []))
 
 
 def _rowwise(func, name: str, x: nn.Tensor, extra: list[nn.Tensor], n_out: int) -> nn.Tensor:
