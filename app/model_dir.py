@@ -41,7 +41,11 @@ MANIFEST_FILE = "localchat-manifest.json"
 MANIFEST_VERSION = 1
 RECORD_SUFFIX = ".sha256"  # `<library>.sha256` beside a library in a cache: its hash record
 FILE_MODE, DIR_MODE = 0o644, 0o755  # a shared store: readable by every user of the machine
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest format this localchat reads (`format_for` says which it writes)
+# Quantizations whose stored layout changed, and the first format with the current one: a
+# directory of an older format holds the old layout and is refused (convert it again).
+# q4f32_k: float32 scales and mins per group -> Q4_K's super-blocks (format 2).
+LAYOUT_FORMATS = {"q4f32_k": 2}
 LIB_DIR = "lib"
 LIB_SUFFIXES = (".so", ".dylib", ".dll", ".tar", ".wasm")
 LIBRARY_SUFFIX = ".so"
@@ -93,6 +97,10 @@ def validate_config(data: dict[str, Any], where: Path | str = CONFIG_FILE) -> di
         value = data.get(key)
         if not isinstance(value, kind) or isinstance(value, bool):
             raise ModelConfigError(f"{where}: {key!r} is missing or not a {_type_name(kind)}")
+    if version < LAYOUT_FORMATS.get(data["quantization"], 1):
+        raise ModelConfigError(
+            f"{where}: its {data['quantization']} weights are in the layout of an older "
+            f"localchat (format {version}); convert the model again")
     if not data["param_names"]:
         raise ModelConfigError(f"{where}: lists no parameters")
     return data
@@ -115,9 +123,16 @@ def load_config(model_dir: Path | str) -> dict[str, Any]:
         raise ModelConfigError(f"{exc}; repair it with `{repair_command(model_dir)}`") from None
 
 
+def format_for(quantization: str) -> int:
+    """The format a new model directory of `quantization` is written in: 1, or the format its
+    layout changed in (`LAYOUT_FORMATS`), so older versions read what they can and refuse the
+    rest ("upgrade localchat")."""
+    return LAYOUT_FORMATS.get(quantization, 1)
+
+
 def write_config(model_dir: Path | str, data: dict[str, Any]) -> Path:
     """Write the config atomically (temporary file, fsync, rename), stamping the format."""
-    data = {**data, "format": data.get("format", FORMAT_VERSION)}
+    data = {**data, "format": data.get("format", format_for(str(data.get("quantization"))))}
     return write_json_atomic(Path(model_dir) / CONFIG_FILE, data)
 
 

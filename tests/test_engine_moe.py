@@ -27,6 +27,7 @@ from localchat.engine.build.quantization import (
     get_quant_mode,
     quantize_q4,
     quantize_q4_asym,
+    quantize_q4_k,
     quantize_q8,
 )
 from localchat.engine.runtime import Model
@@ -55,6 +56,8 @@ def _round_trip(w: torch.Tensor, quant: str) -> torch.Tensor:
         return torch.from_numpy(dequantize_q8(*quantize_q8(a), k))
     if quant == "q4f32_asym":
         return torch.from_numpy(dequantize_q4(*quantize_q4_asym(a), k, asymmetric=True))
+    if quant == "q4f32_k":
+        return torch.from_numpy(dequantize_q4(*quantize_q4_k(a), k))
     return torch.from_numpy(dequantize_q4(*quantize_q4(a, "float32"), k))
 
 
@@ -62,16 +65,19 @@ def _quantize_like_convert(hf, quant: str) -> None:
     """Every weight our 4-bit conversion quantizes replaced, in place, by its round trip: the
     Linears, the embedding and the experts' stacked projections (quantized row by row, so
     stacking the experts changes nothing); the routers stay float, as ours."""
+    # the modes holding a llama.cpp type keep the embedding and the LM head in 8 bits
+    head = "q8f32_0" if get_quant_mode(quant).head_bits == 8 else quant
     with torch.no_grad():
         for module in hf.modules():
             if isinstance(module, torch.nn.Linear):
-                module.weight.copy_(_round_trip(module.weight, quant))
+                module.weight.copy_(_round_trip(module.weight,
+                                                head if module is hf.lm_head else quant))
         for name, param in hf.named_parameters():
             if ".experts." in name and param.dim() == 3:  # transformers 5: [E, out, in]
                 e, n, k = param.shape
                 param.copy_(_round_trip(param.reshape(e * n, k), quant).reshape(e, n, k))
         emb = hf.model.embed_tokens.weight
-        emb.copy_(_round_trip(emb, quant))
+        emb.copy_(_round_trip(emb, head))
 
 
 @cache
@@ -100,7 +106,8 @@ def _tolerance(quant: str) -> float:
 
 
 @pytest.mark.parametrize("arch,quant", [(a, "q0f32") for a in ARCHS]
-                         + [("qwen3-moe", "q4f32_1"), ("qwen3-moe", "q8f32_0")])
+                         + [("qwen3-moe", "q4f32_1"), ("qwen3-moe", "q8f32_0"),
+                            ("qwen3-moe", "q4f32_k")])
 def test_matches_transformers(arch: str, quant: str) -> None:
     ref_tokens, ref_logits = reference(arch, quant)
     assert len(set(ref_tokens)) > STEPS // 2  # the oracle walks through the vocabulary

@@ -237,14 +237,10 @@ def test_gguf_is_held_exactly_and_generates(exact_gguf: tuple[Path, str], tmp_pa
 
 
 # -- Q4_K (Q4_K_M files) ---------------------------------------------------------------------
-def test_q4_k_blocks_round_trip_exactly_and_floats_quantize() -> None:
-    """Groups dequantized from Q4_K blocks as llama.cpp's dequantization computes them (d * sc *
-    q - dmin * m, float32) quantize back to the same values in q4f32_k's float32 scale and min;
-    float weights get min = the group's min, scale = (max - min) / 15."""
-    from localchat.engine.build.quantization import quantize_q4_k
-
-    rng = np.random.default_rng(3)
-    n, blocks = 16, 4  # super-blocks of 256 per row
+def _q4_k_blocks(n: int, blocks: int, seed: int) -> np.ndarray:
+    """Float32 [n, 256 blocks] weights as llama.cpp dequantizes Q4_K blocks (d * sc * q -
+    dmin * m, float32) with random float16 d, dmin and 6-bit sc, m."""
+    rng = np.random.default_rng(seed)
     d = (rng.random((n, blocks, 1)) * 0.01).astype(np.float16).astype(np.float32)
     dmin = (rng.random((n, blocks, 1)) * 0.01).astype(np.float16).astype(np.float32)
     sc = rng.integers(0, 64, (n, blocks, 8)).astype(np.float32)
@@ -252,44 +248,79 @@ def test_q4_k_blocks_round_trip_exactly_and_floats_quantize() -> None:
     q = rng.integers(0, 16, (n, blocks, 8, 32)).astype(np.float32)
     q[..., 0] = 0  # llama.cpp's groups have their min at q = 0
     q[:, :, :4, 1] = 15  # some reach 15, the others stop lower
-    w = ((d * sc)[..., None] * q - (dmin * m)[..., None]).astype(np.float32).reshape(n, -1)
-    words, scale_min = quantize_q4_k(w)
-    assert scale_min.dtype == np.float32 and scale_min.shape == (n, 2 * blocks * 8)
-    assert np.array_equal(dequantize_q4(words, scale_min, asymmetric=True), w)
+    return ((d * sc)[..., None] * q - (dmin * m)[..., None]).astype(np.float32).reshape(n, -1)
 
-    f = rng.standard_normal((8, 96), dtype=np.float32)
-    words, scale_min = quantize_q4_k(f)
-    scale, low = scale_min[:, 0::2], scale_min[:, 1::2]
-    assert np.array_equal(low, f.reshape(8, 3, 32).min(axis=-1))
-    back = dequantize_q4(words, scale_min, 96, asymmetric=True)
-    assert np.abs(back - f).max() <= scale.max() / 2 * 1.001
+
+def test_q4_k_blocks_round_trip_exactly_in_4_625_bits() -> None:
+    """Weights dequantized from Q4_K blocks quantize back to the same values in q4f32_k's
+    super-block form (18.5 bytes per 32 weights); float weights quantize as Q4_K does (6-bit
+    scales and mins <= 0), within half a step of each group's scale."""
+    from localchat.engine.build.quantization import q4_k_scale_min, q4_k_width, quantize_q4_k
+
+    n, blocks = 16, 4
+    w = _q4_k_blocks(n, blocks, 3)
+    words, params = quantize_q4_k(w)
+    assert params.dtype == np.uint8 and params.shape == (n, q4_k_width(blocks * 8))
+    assert q4_k_width(blocks * 8) == blocks * 20  # 16 bytes of sc, m and 4 of d, dmin
+    assert words.nbytes + params.nbytes == n * blocks * 148  # Q4_K: 144 per super-block
+    assert np.array_equal(dequantize_q4(words, params), w)
+
+    rng = np.random.default_rng(5)
+    f = rng.standard_normal((8, 344), dtype=np.float32)  # a partial super-block, a padded group
+    words, params = quantize_q4_k(f)
+    scale_min = q4_k_scale_min(params, 11)
+    assert (scale_min[:, 1::2] <= 0).all()
+    back = dequantize_q4(words, params, 344)
+    assert np.abs(back - f).max() <= scale_min[:, 0::2].max() / 2 * 1.001
+    assert np.abs(back - f).max() < 0.25
     mode = get_quant_mode("q4f32_k")
-    assert mode.asymmetric and mode.group_dtype == "float32" and mode.head_bits == 8
+    assert mode.asymmetric and mode.group_dtype == "uint8" and mode.head_bits == 8
 
 
-def test_asym_kernels_read_float32_group_parameters() -> None:
-    """The GEMV this CPU runs and the prefill matmul with q4f32_k's float32 scales and mins."""
+@pytest.mark.parametrize("k", [344, 512 + 96])  # a partial super-block; whole units and a tail
+def test_q4_k_kernels_equal_float32_scales_bit_for_bit(k: int) -> None:
+    """Every 4-bit CPU kernel (each GEMV form this CPU runs, the prefill matmul) gives the same
+    bits from q4f32_k's super-block bytes as from the float32 scales and mins they stand for
+    (d * sc and -dmin * m, exact in float32), and agrees with numpy."""
+    import tvm
     from test_quant_asym import _check, _compile
 
-    from localchat.engine.build.quantization import quantize_q4_k
+    from localchat.engine.build.quantization import q4_k_scale_min, quantize_q4_k
     from localchat.engine.device import cpu_target
     from localchat.engine.kernels import gemv, matmul
-    from localchat.engine.kernels.common import gemv_isa
+    from localchat.engine.kernels.common import gemv_isa, has_avx512
 
-    k, n = 344, 12
-    rng = np.random.default_rng(4)
-    words, scale_min = quantize_q4_k(rng.standard_normal((n, k), dtype=np.float32) * 0.05)
-    dense = dequantize_q4(words, scale_min, k, asymmetric=True)
-    isa = gemv_isa(cpu_target())
-    funcs = {
-        "gemv": gemv.gemv_q4(k, n, "float32", isa, True, asym=True, scale_dtype="float32"),
-        "linear_q4": matmul.linear_q4(k, n, "float32", True, asym=True, scale_dtype="float32"),
-    }
+    n = 40
+    rng = np.random.default_rng(k)
+    words, params = quantize_q4_k(rng.standard_normal((n, k), dtype=np.float32) * 0.05)
+    pairs = q4_k_scale_min(params, -(-k // 32))
+    dense = dequantize_q4(words, params, k)
+    target = cpu_target()
+    isas = {gemv_isa(target), "avx2", False} | ({True} if has_avx512(target) else set())
+    funcs = {}
+    for isa in isas:
+        for layout, sdt in (("k", "uint8"), ("f", "float32")):
+            funcs[f"gemv_{isa}_{layout}"] = gemv.gemv_q4(k, n, "float32", isa, True, asym=True,
+                                                         scale_dtype=sdt)
+            funcs[f"linear_{layout}"] = matmul.linear_q4(k, n, "float32", True, asym=True,
+                                                         scale_dtype=sdt)
     lib = _compile(funcs)
     b = rng.standard_normal(n).astype(np.float32)
-    x = rng.standard_normal((6, k), dtype=np.float32)
-    _check(lib, {name: ((words, scale_min), dense) for name in funcs}, x, b, n,
-           2e-2 if isa in ("vnni", "avx2") else 1e-5)
+    x = rng.standard_normal((20, k), dtype=np.float32)
+    dev = tvm.cpu()
+    for name in funcs:
+        if not name.endswith("_k"):
+            continue
+        twin = name[:-2] + "_f"
+        out = {}
+        for which, s in ((name, params), (twin, pairs)):
+            y = tvm.runtime.tensor(np.zeros((20, n), np.float32), dev)
+            lib[which](*[tvm.runtime.tensor(a, dev) for a in (x, words, s, b)], y)
+            out[which] = y.numpy()
+        assert np.array_equal(out[name], out[twin]), name
+    int8 = any(i in ("vnni", "avx2") for i in isas)
+    _check(lib, {name: ((words, params), dense) for name in funcs if name.endswith("_k")},
+           x, b, n, 2e-2 if int8 else 1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -329,6 +360,7 @@ def test_q4_k_m_gguf_defaults_to_q4f32_k_which_holds_its_q4_k_blocks(q4_k_m_gguf
 
     from localchat.engine import build
     from localchat.engine.build import gguf as lg
+    from localchat.engine.build.quantization import q4_k_scale_min
     from localchat.engine.runtime import Model
 
     gf = lg.read_gguf(q4_k_m_gguf)
@@ -346,8 +378,7 @@ def test_q4_k_m_gguf_defaults_to_q4f32_k_which_holds_its_q4_k_blocks(q4_k_m_gguf
     for i in range(2):
         for ours, pieces in parts.items():
             prefix = f"model.layers.{i}.{ours}."
-            got = dequantize_q4(params[prefix + "weight"], params[prefix + "scale"],
-                                asymmetric=True)
+            got = dequantize_q4(params[prefix + "weight"], params[prefix + "scale"])
             row = 0
             for short, rows in pieces:
                 t = gf.tensors[f"blk.{i}.{short}.weight"]
@@ -359,7 +390,8 @@ def test_q4_k_m_gguf_defaults_to_q4f32_k_which_holds_its_q4_k_blocks(q4_k_m_gguf
                 if t.type_name == "Q4_K":
                     assert np.array_equal(mine, value), t.name
                 else:
-                    step = np.abs(params[prefix + "scale"][:, 0::2]).max()
+                    step = np.abs(q4_k_scale_min(params[prefix + "scale"],
+                                                 got.shape[1] // 32)[:, 0::2]).max()
                     assert np.abs(mine - value).max() <= step / 2 * 1.001, t.name
                 row += rows
     assert kinds == {"Q4_K", "Q6_K"}
@@ -368,3 +400,16 @@ def test_q4_k_m_gguf_defaults_to_q4f32_k_which_holds_its_q4_k_blocks(q4_k_m_gguf
     logits = model.prefill(seq, model.tokenizer.encode("hello world"))
     assert np.isfinite(logits).all()
     assert np.isfinite(model.decode([seq], [int(np.argmax(logits))])).all()
+
+    # a q4f32_k directory of the old layout (format 1: float32 scales and mins) is refused
+    # with what to do, not misread
+    import json
+
+    from localchat import model_dir as md
+    from localchat.errors import ModelConfigError
+
+    config = json.loads((out / md.CONFIG_FILE).read_text())
+    assert config["format"] == 2
+    md.validate_config({**config, "quantization": "q4f32_1", "format": 1})
+    with pytest.raises(ModelConfigError, match="older localchat.*convert the model again"):
+        md.validate_config({**config, "format": 1})

@@ -188,7 +188,7 @@ def convert_model(
             if (source_dir / fname).exists():
                 shutil.copy2(source_dir / fname, tmp / fname)
         meta = {
-            "format": md.FORMAT_VERSION,
+            "format": md.format_for(mode.name),
             "architecture": arch.name,
             "quantization": mode.name,
             "model_config": config.to_dict(),

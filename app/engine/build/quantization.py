@@ -17,16 +17,25 @@ a row's group parameters are one stream of 4 bytes per group, as q4f32_1's float
 apart, the mins cost the decode GEMV 10-15% on the 1B shape's layers). The suffix says what the
 mode is rather than MLC's number (MLC's q4f16_2 etc. are other layouts).
 
-`q4f32_k` holds llama.cpp's Q4_K (super-blocks of 256 with float16 d and dmin and, per group of
-32, 6-bit sc and m; value d * sc * q - dmin * m): the asymmetric layout with the scale S = d * sc
-and the min -dmin * m as float32 (both exact in float32, as llama.cpp's dequantization computes
-them, and q * S + min then rounds as its S * q - dmin * m does), 24 bytes per 32 weights (6 bits
-a weight, more than Q4_K's 4.5: the super-block form is not kept). Its quantizer takes min = the
-group's min and finds S again from the group's max at q = 15 .. 1 (within a few float32 ulps of
-(max - min) / q): exact for every group that has its min at q = 0, which llama.cpp's Q4_K
-quantizer gives each group (checked on the 1B shape's Q4_K_M file: all); other groups, and float
-weights, get scale = (max - min) / 15. Q4_K_M files also hold a few matrices in Q6_K (some attn_v
-and ffn_down): those are dequantized and re-quantized to this 4-bit layout (not exact).
+`q4f32_k` holds llama.cpp's Q4_K in its own super-block form: per row, super-blocks of 8 groups
+(256 weights) with a float16 d and dmin, and per group of 32 a 6-bit sc and m; value
+d * sc * q - dmin * m. The nibbles are packed as in the other 4-bit modes; the group parameters
+are one uint8 row [2 Kg + 4 SB] (Kg groups, SB = ceil(Kg / 8) super-blocks): sc and m of group
+g at bytes 2 g and 2 g + 1, then the super-blocks' d and dmin as little-endian float16 bytes
+(super-block b's d at 2 Kg + 4 b, its dmin at 2 Kg + 4 b + 2). 32 weights take 18.5 bytes:
+4.625 bits a weight, against Q4_K's 4.5 (its sc and m packed in 6 bits) and q4f32_1's 5. The
+kernels take the scale d * sc and the min -(dmin * m) in float32, both exact there (as
+llama.cpp's dequantization computes them), so q * scale + min rounds as its d1 * q - m1 does.
+The quantizer finds each group's scale and min (`_q4_k_groups`: min = the group's min, and S
+found again from the group's max at q = 15 .. 1, within a few float32 ulps of (max - min) / q:
+exact for every group that has its min at q = 0, as llama.cpp's Q4_K quantizer gives each group,
+checked on the 1B shape's Q4_K_M file), then each super-block's d and sc with d * sc = S exactly
+(d = S / j for the largest S, j = 63 .. 1, as float16; likewise dmin and m): a super-block that
+came from a Q4_K block keeps its d, dmin, sc, m and q exactly. Other super-blocks (float weights,
+the rows of Q4_K_M's Q6_K tensors, some attn_v and ffn_down) are quantized as llama.cpp's simple
+Q4_K quantizer does: min clamped to <= 0, scale (max - min) / 15, d = the largest scale / 63 and
+dmin = the largest -min / 63 as float16, sc and m rounded to 6 bits, q from the 6-bit values.
+A Q4_K_M file's Q6_K matrices are thus not held exactly.
 
 `q4f32_0` and `q4f16_0` hold llama.cpp's Q4_0: the symmetric modes' arithmetic, (q - 8) * d, with
 d stored as float16 whatever the activation type, so 32 weights take 18 bytes as in a Q4_0 block.
@@ -70,6 +79,9 @@ from localchat.errors import QuantizationError
 
 GROUP_SIZE = 32
 NIBBLES_PER_WORD = 8
+SUPER_GROUPS = 8  # groups of 32 per Q4_K super-block (256 weights)
+SUPER_MAX = 63  # Q4_K's sc and m are 6-bit
+K_SCALE_DTYPE = "uint8"  # q4f32_k's group parameters: sc and m bytes, then d and dmin bytes
 
 
 @dataclass(frozen=True)
@@ -108,8 +120,15 @@ class QuantMode:
     @property
     def group_dtype(self) -> str:
         """The type the group scales (and mins) are stored in: float16 in the modes that hold a
-        llama.cpp type (its blocks' d and m), the activation type in the others."""
+        llama.cpp type (its blocks' d and m), the activation type in the others; uint8 in
+        q4f32_k (Q4_K's super-block form, `K_SCALE_DTYPE`)."""
         return self.scale_type or ("float16" if self.gguf_type else self.dtype)
+
+    def group_width(self, groups: int) -> int:
+        """The length of a 4-bit weight's row of group parameters for `groups` groups."""
+        if self.group_dtype == K_SCALE_DTYPE:
+            return q4_k_width(groups)
+        return 2 * groups if self.asymmetric else groups
 
 
 QUANT_MODES: dict[str, QuantMode] = {
@@ -124,7 +143,7 @@ QUANT_MODES: dict[str, QuantMode] = {
         QuantMode("q4f32_0", 4, "float32", gguf_type="Q4_0"),
         QuantMode("q4f16_0", 4, "float16", gguf_type="Q4_0"),
         QuantMode("q4f32_k", 4, "float32", asymmetric=True, gguf_type="Q4_K",
-                  scale_type="float32"),
+                  scale_type=K_SCALE_DTYPE),
         QuantMode("q8f32_0", 8, "float32", gguf_type="Q8_0"),
         QuantMode("q8f16_0", 8, "float16", gguf_type="Q8_0"),
     )
@@ -138,6 +157,12 @@ def get_quant_mode(name: str) -> QuantMode:
     except KeyError:
         known = ", ".join(QUANT_MODES)
         raise QuantizationError(f"unknown quantization {name!r} (known: {known})") from None
+
+
+def q4_k_width(groups: int) -> int:
+    """Bytes of q4f32_k's group parameters for a row of `groups` groups: sc and m per group,
+    float16 d and dmin per super-block of `SUPER_GROUPS`."""
+    return 2 * groups + 4 * -(-groups // SUPER_GROUPS)
 
 
 def padded_k(k: int) -> int:
@@ -257,28 +282,24 @@ def quantize_q4_0(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return _pack_nibbles(q.reshape(n, kp)), d
 
 
-def quantize_q4_k(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Pack a float [N, K] matrix asymmetrically with float32 scales and mins into (uint32 words
-    [N, Kp/8], float32 scales and mins [N, 2 Kp/32] side by side), value q * scale + min: the
-    layout of q4f32_k, which holds llama.cpp's Q4_K (see the module docstring). A group already
-    of the form q * S + min with its min at q = 0 (every group of a Q4_K block llama.cpp wrote:
-    S = d * sc and -min = dmin * m, exact in float32) keeps that S and min; others get min = the
-    group's min and scale = (max - min) / 15. Columns past K repeat each row's last value."""
-    n, kp, groups = _groups(weight, 4, edge=True)
-    flat = groups.reshape(-1, GROUP_SIZE)
+def _q4_k_groups(flat: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(scale, min, exact) per group of `flat` [M, 32] (float32): a group of the form
+    q * S + min with its min at q = 0 (every group of a Q4_K block llama.cpp wrote: S = d * sc
+    and -min = dmin * m, exact in float32) gets that S and min and `exact`; others min = the
+    group's min and scale = (max - min) / 15."""
     low, high = flat.min(axis=-1), flat.max(axis=-1)
     with np.errstate(over="ignore", invalid="ignore"):
         scale = ((high - low) / np.float32(15)).astype(np.float32)
     if not (np.isfinite(low).all() and np.isfinite(scale).all()):
         raise QuantizationError("weights beyond float32's range cannot be 4-bit quantized")
 
-    def lattice(g: np.ndarray, lo: np.ndarray, sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(q, whether q * sc + lo gives g exactly) for groups g [M, 32]."""
+    def lattice(g: np.ndarray, lo: np.ndarray, sc: np.ndarray) -> np.ndarray:
+        """Whether q * sc + lo gives the groups g [M, 32] exactly."""
         safe = np.where(sc == 0, np.float32(1), sc)
         q = np.clip(np.rint((g - lo[:, None]) / safe[:, None]), 0, 15).astype(np.float32)
-        return q, (q * sc[:, None] + lo[:, None] == g).all(axis=-1)
+        return (q * sc[:, None] + lo[:, None] == g).all(axis=-1)
 
-    q, exact = lattice(flat, low, scale)
+    exact = lattice(flat, low, scale)
     # The block's S from its largest value, at q = 15 .. 1: within a few float32 ulps of
     # (max - min) / q, the rounding of max = S q - (-min) in float32.
     found = bool(exact.any())
@@ -291,15 +312,143 @@ def quantize_q4_k(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             direction = np.float32(np.inf if step > 0 else -np.inf)
             for _ in range(abs(step)):
                 cand = np.nextafter(cand, direction)
-            cq, hit = lattice(flat[todo], low[todo], cand)
+            hit = lattice(flat[todo], low[todo], cand)
             found = found or bool(hit.any())
             scale[todo[hit]] = cand[hit]
-            q[todo[hit]] = cq[hit]
             exact[todo[hit]] = True
         if top == 15 and not found:
             break  # no group is on such a lattice: float weights, not a Q4_K file's
-    scale_min = np.stack([scale, low], axis=-1).reshape(n, 2 * (kp // GROUP_SIZE))
-    return _pack_nibbles(q.astype(np.int32).reshape(n, kp)), scale_min
+    return scale, low, exact
+
+
+def _six_bit_factor(values: np.ndarray, todo: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For super-blocks `values` [B, 8] (float32), a float16 factor f and 6-bit integers c
+    [B, 8] with f * c == values exactly, found for the rows `todo` (bool [B]) where one exists
+    (f = the value of largest magnitude / j, j = 63 .. 1); returns (f, found)."""
+    f = np.zeros(values.shape[0], np.float16)
+    found = np.zeros(values.shape[0], bool)
+    pick = np.take_along_axis(values, np.abs(values).argmax(axis=-1)[:, None], -1)[:, 0]
+    zero = todo & (pick == 0)
+    found[zero] = True
+    rows = np.flatnonzero(todo & ~zero)
+    for j in range(SUPER_MAX, 0, -1):
+        if rows.size == 0:
+            break
+        with np.errstate(over="ignore"):
+            cand = (pick[rows] / np.float32(j)).astype(np.float16)
+        c32 = cand.astype(np.float32)
+        safe = np.where(c32 == 0, np.float32(1), c32)
+        c = np.rint(values[rows] / safe[:, None])
+        hit = ((c * c32[:, None] == values[rows]).all(axis=-1) & (c >= 0).all(axis=-1)
+               & (c <= SUPER_MAX).all(axis=-1) & np.isfinite(c32) & (c32 != 0))
+        f[rows[hit]] = cand[hit]
+        found[rows[hit]] = True
+        rows = rows[~hit]
+    return f, found
+
+
+def _shifted_mins(values: np.ndarray, scale: np.ndarray, low: np.ndarray
+                  ) -> tuple[np.float16, np.ndarray] | None:
+    """For a super-block's groups `values` [8, 32] held exactly by q * scale + low with low the
+    group's smallest value: a float16 dmin and the groups' mins -(dmin * m), m in 0..63, such
+    that each group's values are q * scale - dmin * m with q in 0..15 (some group's smallest
+    value at q > 0), or None. Candidates: dmin = (j scale - low) / c of one group."""
+    j = np.arange(16, dtype=np.float32)
+    mins = j[None, :] * scale[:, None] - low[:, None]  # [8, 16]: -min if the low is at q = j
+    c = np.arange(1, SUPER_MAX + 1, dtype=np.float32)
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        cands = np.unique((mins.reshape(-1)[:, None] / c[None, :]).astype(np.float16))
+        cands = cands[np.isfinite(cands) & (cands > 0)].astype(np.float32)
+        m = np.rint(mins[None] / cands[:, None, None])  # [C, 8, 16]
+        fits = (m >= 0) & (m <= SUPER_MAX) & (m * cands[:, None, None] == mins[None])
+    for ci in np.flatnonzero(fits.any(axis=-1).all(axis=-1)):
+        dm = cands[ci]
+        for_groups = []
+        for g in range(SUPER_GROUPS):
+            for jj in np.flatnonzero(fits[ci, g]):
+                lo = -(m[ci, g, jj] * dm)
+                safe = scale[g] if scale[g] != 0 else np.float32(1)
+                q = np.clip(np.rint((values[g] - lo) / safe), 0, 15)
+                if np.array_equal(q * scale[g] + lo, values[g]):
+                    for_groups.append(lo)
+                    break
+            else:
+                break
+        if len(for_groups) == SUPER_GROUPS:
+            return np.float16(dm), np.array(for_groups, np.float32)
+    return None
+
+
+def quantize_q4_k(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Pack a float [N, K] matrix in q4f32_k's Q4_K super-block form into (uint32 words
+    [N, Kp/8], uint8 group parameters [N, `q4_k_width`(Kp/32)]), value d * sc * q - dmin * m
+    (see the module docstring): a super-block dequantized from a Q4_K block keeps its values
+    exactly. Columns past K repeat each row's last value."""
+    n, kp, groups = _groups(weight, 4, edge=True)
+    kg = kp // GROUP_SIZE
+    nsb = -(-kg // SUPER_GROUPS)
+    # super-blocks of 8 groups, the last padded with groups of zeros (parameters 0, unused)
+    blocks = np.zeros((n, nsb * SUPER_GROUPS, GROUP_SIZE), np.float32)
+    blocks[:, :kg] = groups
+    flat = blocks.reshape(-1, GROUP_SIZE)
+    scale, low, exact = _q4_k_groups(flat)
+    scale, low = scale.reshape(-1, SUPER_GROUPS), low.reshape(-1, SUPER_GROUPS)
+    whole = exact.reshape(-1, SUPER_GROUPS).all(axis=-1)
+    d, d_ok = _six_bit_factor(scale, whole)
+    dmin, m_ok = _six_bit_factor(-low, whole)
+    for b in np.flatnonzero(whole & d_ok & ~m_ok):
+        # a group whose smallest value is not at q = 0: its min is dmin * m below that value
+        found = _shifted_mins(blocks.reshape(-1, SUPER_GROUPS, GROUP_SIZE)[b], scale[b], low[b])
+        if found is not None:
+            dmin[b], low[b] = found
+            m_ok[b] = True
+    held = whole & d_ok & m_ok
+    # the others as llama.cpp's simple Q4_K quantizer: mins <= 0, 6-bit scales and mins
+    free = ~held
+    lo = np.minimum(low[free], 0)
+    hi = blocks.reshape(-1, SUPER_GROUPS, GROUP_SIZE)[free].max(axis=-1)
+    sc_f = (hi - lo) / np.float32(15)
+    with np.errstate(over="ignore"):
+        d[free] = (sc_f.max(axis=-1) / np.float32(SUPER_MAX)).astype(np.float16)
+        dmin[free] = ((-lo).max(axis=-1) / np.float32(SUPER_MAX)).astype(np.float16)
+    if not (np.isfinite(d).all() and np.isfinite(dmin).all()):
+        raise QuantizationError("weights beyond float16's range cannot be quantized as Q4_K "
+                                "(its super-block scales are float16)")
+    d32, dmin32 = d.astype(np.float32), dmin.astype(np.float32)
+    sc = np.rint(scale / np.where(d32 == 0, np.float32(1), d32)[:, None])
+    m = np.rint(-low / np.where(dmin32 == 0, np.float32(1), dmin32)[:, None])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        sc[free] = np.rint(sc_f / np.where(d32[free] == 0, np.float32(1), d32[free])[:, None])
+        m[free] = np.rint(-lo / np.where(dmin32[free] == 0, np.float32(1), dmin32[free])[:, None])
+    sc = np.clip(sc, 0, SUPER_MAX).astype(np.float32)
+    m = np.clip(m, 0, SUPER_MAX).astype(np.float32)
+    s_eff = sc * d32[:, None]  # exact in float32, as the kernels compute them
+    min_eff = -(m * dmin32[:, None])
+    safe = np.where(s_eff == 0, np.float32(1), s_eff)
+    q = np.rint((blocks.reshape(-1, SUPER_GROUPS, GROUP_SIZE) - min_eff[..., None])
+                / safe[..., None])
+    q = np.clip(q, 0, 15).astype(np.int32).reshape(n, nsb * SUPER_GROUPS * GROUP_SIZE)[:, :kp]
+    params = np.empty((n, q4_k_width(kg)), np.uint8)
+    sc_m = np.stack([sc, m], axis=-1).reshape(n, nsb * SUPER_GROUPS * 2)
+    params[:, : 2 * kg] = sc_m[:, : 2 * kg].astype(np.uint8)
+    supers = np.stack([d, dmin], axis=-1).reshape(n, 2 * nsb)
+    params[:, 2 * kg:] = supers.view(np.uint8).reshape(n, 4 * nsb)
+    return _pack_nibbles(q), params
+
+
+def q4_k_scale_min(params: np.ndarray, groups: int) -> np.ndarray:
+    """q4f32_k's group parameters [N, `q4_k_width`(groups)] as float32 scales and mins side
+    by side [N, 2 groups] (d * sc and -(dmin * m), as the kernels compute them)."""
+    n = params.shape[0]
+    nsb = -(-groups // SUPER_GROUPS)
+    sc_m = params[:, : 2 * groups].astype(np.float32).reshape(n, groups, 2)
+    supers = np.ascontiguousarray(params[:, 2 * groups:]).view(np.float16)
+    supers = supers.astype(np.float32).reshape(n, nsb, 2)
+    sb = np.arange(groups) // SUPER_GROUPS
+    out = np.empty((n, groups, 2), np.float32)
+    out[..., 0] = sc_m[..., 0] * supers[:, sb, 0]
+    out[..., 1] = -(sc_m[..., 1] * supers[:, sb, 1])
+    return out.reshape(n, 2 * groups)
 
 
 def split_scale_min(scale_min: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -317,6 +466,9 @@ def dequantize_q4(
     n, kw = words.shape
     q = _unpack_nibbles(words)
     low = None
+    if scale.dtype == np.uint8:  # q4f32_k's super-block form
+        scale = q4_k_scale_min(scale, kw * NIBBLES_PER_WORD // GROUP_SIZE)
+        asymmetric = True
     if asymmetric:
         scale, low = split_scale_min(scale)
     else:

@@ -17,13 +17,21 @@ from tvm import tirx
 from tvm.script import tirx as T
 from tvm.target import Target
 
-from localchat.engine.build.quantization import GROUP_SIZE, NIBBLES_PER_WORD, padded_k
+from localchat.engine.build.quantization import (
+    GROUP_SIZE,
+    K_SCALE_DTYPE,
+    NIBBLES_PER_WORD,
+    SUPER_GROUPS,
+    padded_k,
+)
 
 __all__ = [
     "GPU_COPY_THREADS",
     "GPU_THREADS",
     "GROUP_SIZE",
     "INT8_ISAS",
+    "K_SCALE_DTYPE",
+    "Q4K",
     "LANES",
     "LOG2E",
     "NIBBLES_PER_WORD",
@@ -32,6 +40,8 @@ __all__ = [
     "divisor",
     "exp2",
     "gemv_isa",
+    "group_param",
+    "group_params_vec",
     "has_avx2",
     "has_avx512",
     "has_avx512_vnni",
@@ -51,6 +61,50 @@ GPU_THREADS = 64  # threads per block of the GPU scan kernel
 GPU_COPY_THREADS = 256  # threads per block of the GPU state-copy kernels
 LOG2E = math.log2(math.e)
 INT8_ISAS = ("vnni", "avx2")  # `gemv_isa` values whose 4-bit GEMV rounds activations to int8
+# The kernels' `asym` value for q4f32_k's Q4_K super-block parameters (`quantization`): truthy,
+# so every asymmetric code path serves it and only the reads of scale and min differ.
+Q4K = "q4k"
+
+
+def _super_param(s, row, kg: int, g, which: int):
+    """Float32 d (which 0) or -dmin (1) of the super-block holding group g, from the
+    little-endian float16 bytes after a q4f32_k row's 2 kg bytes of sc and m."""
+    at = 2 * kg + (g // SUPER_GROUPS) * 4 + 2 * which
+    bits = T.bitwise_or(
+        T.Cast("uint16", s[row, at]), T.shift_left(T.Cast("uint16", s[row, at + 1]), T.uint16(8))
+    )
+    value = T.Cast("float32", T.reinterpret("float16", bits))
+    return value if which == 0 else T.float32(0) - value
+
+
+def group_param(s, row, g, which: int, asym, kg: int):
+    """Float32 scale (which 0) or min (1) of group g of row `row` of an asymmetric weight's
+    parameters s: side by side at 2 g + which, or in q4f32_k's form (`asym` == Q4K; kg: groups
+    per row) d * sc and -dmin * m, exact in float32."""
+    if asym == Q4K:
+        return T.Cast("float32", s[row, 2 * g + which]) * _super_param(s, row, kg, g, which)
+    return T.Cast("float32", s[row, 2 * g + which])
+
+
+def group_params_vec(s, row, g0, lanes: int, which: int, asym, kg: int):
+    """`group_param` of the `lanes` groups from g0 as one float32 vector (one load of the pairs,
+    split by a shuffle); in q4f32_k's form g0 must be a multiple of min(lanes, 8) (the lanes
+    span whole super-blocks, or lie in one)."""
+    pairs = s[row, T.Ramp(2 * g0, 1, 2 * lanes)]
+    value = T.Cast(f"float32x{lanes}",
+                   tirx.Shuffle([pairs], [2 * i + which for i in range(lanes)]))
+    if asym != Q4K:
+        return value
+    assert lanes in (4, 8, 16), lanes
+    lane = T.Ramp(T.int32(0), T.int32(1), lanes)
+    factor = T.Broadcast(_super_param(s, row, kg, g0 + (lanes - 1) // SUPER_GROUPS * SUPER_GROUPS,
+                                      which), lanes)
+    for b in range((lanes - 1) // SUPER_GROUPS - 1, -1, -1):
+        factor = T.Select(lane < T.Broadcast(T.int32((b + 1) * SUPER_GROUPS), lanes),
+                          T.Broadcast(_super_param(s, row, kg, g0 + b * SUPER_GROUPS, which),
+                                      lanes),
+                          factor)
+    return value * factor
 
 
 def exp2(x):

@@ -35,7 +35,16 @@ import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
-from localchat.engine.kernels.common import GROUP_SIZE, NIBBLES_PER_WORD, padded_k, scheduled
+from localchat.engine.build.quantization import q4_k_width
+from localchat.engine.kernels.common import (
+    GROUP_SIZE,
+    K_SCALE_DTYPE,
+    NIBBLES_PER_WORD,
+    Q4K,
+    group_param,
+    padded_k,
+    scheduled,
+)
 
 F32 = "float32"
 MR = 6  # rows of X per micro-kernel
@@ -83,7 +92,8 @@ def gemm_q4(
     """Y[m, n] = X[m, k] @ dequant(Wq[n, kp/8], S)^T (+ b), kp = `padded_k(k)`: symmetric
     (q - 8) * scale with S [n, kp/32] of `scale_dtype` (default `dtype`), or with `asym`
     q * scale + min with S [n, 2 kp/32] of `scale_dtype` (default float16; scale and min side by
-    side). The arguments of `matmul.linear_q4`; `wide` as `gemm_f`'s."""
+    side), or uint8 [n, `q4_k_width`(kp/32)] (q4f32_k's Q4_K super-blocks). The arguments of
+    `matmul.linear_q4`; `wide` as `gemm_f`'s."""
     return _gemm(k, n, dtype, bias, "q4_asym" if asym else "q4", scale_dtype, wide)
 
 
@@ -129,10 +139,12 @@ def _gemm(
             return T.Cast(F32, _nibble(w, j, kk) - 8) * T.Cast(F32, s[j, kk // GROUP_SIZE])
 
     else:
+        layout = Q4K if scale_dtype == K_SCALE_DTYPE else True
 
         def value(w, s, j, kk):
-            g = kk // GROUP_SIZE * 2
-            return T.Cast(F32, _nibble(w, j, kk)) * T.Cast(F32, s[j, g]) + T.Cast(F32, s[j, g + 1])
+            g = kk // GROUP_SIZE
+            return T.Cast(F32, _nibble(w, j, kk)) * group_param(s, j, g, 0, layout, kg) + \
+                group_param(s, j, g, 1, layout, kg)
 
     @T.macro
     def pack_w(wp, w, s, j0, cols, k0, klen):
@@ -266,8 +278,8 @@ def _gemm(
                      (nblocks - 1) * nb, last, last_used)
 
     asym = kind == "q4_asym"
-    ks = 2 * kg if asym else kg
-    sdt = scale_dtype or ("float16" if asym else dtype)  # q4f32_k: float32 scales and mins
+    ks = (q4_k_width(kg) if scale_dtype == K_SCALE_DTYPE else 2 * kg) if asym else kg
+    sdt = scale_dtype or ("float16" if asym else dtype)  # q4f32_k: uint8 (`K_SCALE_DTYPE`)
     quantized = kind not in ("float", "panels")
     if quantized and bias:
 

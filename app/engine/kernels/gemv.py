@@ -58,13 +58,18 @@ import functools
 from tvm import tirx
 from tvm.script import tirx as T
 
+from localchat.engine.build.quantization import q4_k_width
 from localchat.engine.kernels.common import (
     GROUP_SIZE,
     INT8_ISAS,
+    K_SCALE_DTYPE,
     LANES,
     NIBBLES_PER_WORD,
+    Q4K,
     WORDS_PER_GROUP,
     divisor,
+    group_param,
+    group_params_vec,
     lane_tree,
     padded_k,
     scheduled,
@@ -99,15 +104,26 @@ def _group_index(group, stride: int, offset: int):
     return group if stride == 1 and offset == 0 else group * stride + offset
 
 
-def _lane_scale(s, row, group0, e, groups: int = GROUPS_PER_VEC, stride: int = 1, offset: int = 0):
+def _param(s, row, group, stride: int, offset: int, layout=True, kg: int = 0):
+    """Group `group`'s parameter as float32: s[row, `_group_index`] (symmetric scale), or with
+    `stride` 2 the asymmetric scale (offset 0) or min (1) in `layout` (`common.group_param`'s
+    `asym`: True, or Q4K with kg groups per row)."""
+    if stride == 2:
+        return group_param(s, row, group, offset, layout, kg)
+    return T.Cast(F32, s[row, _group_index(group, stride, offset)])
+
+
+def _lane_scale(s, row, group0, e, groups: int = GROUPS_PER_VEC, stride: int = 1, offset: int = 0,
+                layout=True, kg: int = 0):
     """The scale of lane e's group, s[row, group0 + e // 4], as a select over the `groups` groups
     of a vector, so the vectorizer emits broadcasts and blends instead of a gather (`stride`,
-    `offset`: s[row, (group0 + e // 4) * stride + offset], the asymmetric scale or min)."""
-    value = T.Cast(F32, s[row, _group_index(group0 + groups - 1, stride, offset)])
+    `offset`: s[row, (group0 + e // 4) * stride + offset], the asymmetric scale or min; `layout`,
+    `kg`: as `_param`'s)."""
+    value = _param(s, row, group0 + groups - 1, stride, offset, layout, kg)
     for g in range(groups - 2, -1, -1):
         value = T.Select(
             e < (g + 1) * WORDS_PER_GROUP,
-            T.Cast(F32, s[row, _group_index(group0 + g, stride, offset)]),
+            _param(s, row, group0 + g, stride, offset, layout, kg),
             value,
         )
     return value
@@ -149,6 +165,8 @@ def gemv_q4_macro(
     computes them too)."""
     if avx512 in INT8_ISAS:
         return gemv_q4_vnni_macro(k, n, dtype, bias, asym=asym, isa=avx512)
+    # the group parameters' layout (`common.group_param`); `asym` a bool for TVMScript's ifs
+    layout, asym = asym, bool(asym)
     kw = padded_k(k) // NIBBLES_PER_WORD
     nv = kw // LANES  # full vectors of 16 words per row
     tw = kw % LANES  # words of the last, narrower vector (a multiple of 4)
@@ -164,6 +182,7 @@ def gemv_q4_macro(
         rb, vu = divisor(n, (ROWS, 2)), divisor(nv, (VEC_UNROLL, 2))
     prepare = transpose_x(k, with_sums=not avx512 or asym)
     v16 = f"float32x{LANES}"
+    kg = padded_k(k) // GROUP_SIZE
 
     def lookup(words_u32, p: int):
         """float(q_p - 8) (asym: float(q_p)) for nibble p of 16 words: vpermps over the table
@@ -181,12 +200,12 @@ def gemv_q4_macro(
         `offset`: as `_lane_scale`'s)."""
         lane = T.Ramp(T.int32(0), T.int32(1), LANES)
         value = T.Broadcast(
-            T.Cast(F32, s[row, _group_index(g0 + GROUPS_PER_VEC - 1, stride, offset)]), LANES
+            _param(s, row, g0 + GROUPS_PER_VEC - 1, stride, offset, layout, kg), LANES
         )
         for g in range(GROUPS_PER_VEC - 2, -1, -1):
             value = T.Select(
                 lane < T.Broadcast(T.int32((g + 1) * WORDS_PER_GROUP), LANES),
-                T.Broadcast(T.Cast(F32, s[row, _group_index(g0 + g, stride, offset)]), LANES),
+                T.Broadcast(_param(s, row, g0 + g, stride, offset, layout, kg), LANES),
                 value,
             )
         return value
@@ -206,9 +225,9 @@ def gemv_q4_macro(
         """Lane e's share of row `row` of W times row r of x: word wd0 + e, of the groups from
         g0 (4 words each)."""
         if asym:
-            return _lane_scale(s, row, g0, e, groups, 2, 0) * _nibble_dot(
+            return _lane_scale(s, row, g0, e, groups, 2, 0, layout, kg) * _nibble_dot(
                 w, xp, row, r, wd0 + e
-            ) + _lane_scale(s, row, g0, e, groups, 2, 1) * xs[r, wd0 + e]
+            ) + _lane_scale(s, row, g0, e, groups, 2, 1, layout, kg) * xs[r, wd0 + e]
         return _lane_scale(s, row, g0, e, groups) * (
             _nibble_dot(w, xp, row, r, wd0 + e) - T.float32(8) * xs[r, wd0 + e]
         )
@@ -251,9 +270,9 @@ def gemv_q4_macro(
         """Lane e of the last, narrower vector of words."""
         g0, groups = nv * GROUPS_PER_VEC, tw // WORDS_PER_GROUP
         if asym:
-            return _lane_scale(s, row, g0, e, groups, 2, 0) * _nibble_dot(
+            return _lane_scale(s, row, g0, e, groups, 2, 0, layout, kg) * _nibble_dot(
                 w, xp, row, r, nv * LANES + e
-            ) + _lane_scale(s, row, g0, e, groups, 2, 1) * xs[r, nv * LANES + e]
+            ) + _lane_scale(s, row, g0, e, groups, 2, 1, layout, kg) * xs[r, nv * LANES + e]
         return _lane_scale(s, row, g0, e, groups) * _nibble_dot(
             w, xp, row, r, nv * LANES + e, centered=True
         )
@@ -310,12 +329,6 @@ def _many_rows(m) -> bool:
 
 def _add(a, b):
     return a + b
-
-
-def _pairs(vec, lanes: int, which: int):
-    """Lane `which` (0 or 1) of each of the `lanes` side-by-side pairs of `vec` (2 `lanes`
-    lanes): the scales or the mins of the asymmetric modes' group parameters."""
-    return tirx.Shuffle([vec], [2 * i + which for i in range(lanes)])
 
 
 def _dpbusd(acc, a_u8, b_s8, groups: int):
@@ -430,6 +443,7 @@ def gemv_q4_vnni_macro(
     x's rounding: ~2.5x the error on Gaussian groups)."""
     kp = padded_k(k)
     kw, kg = kp // NIBBLES_PER_WORD, kp // GROUP_SIZE
+    layout, asym = asym, bool(asym)  # as in `gemv_q4_macro`
     # groups per unit: 16 (one 512-bit vector of int32 lanes); with AVX2 8, so that a unit's 8
     # unpacked weight vectors fit in its 16 registers beside the row's accumulators
     ug = AVX2_UNIT if isa == "avx2" else LANES
@@ -586,14 +600,8 @@ def gemv_q4_vnni_macro(
                 [w[row, T.Ramp(u * 4 * ug + v * ug, 1, ug)] for v in range(4)], ug
             )
             if asym:
-                sl[T.Ramp(0, 1, ug)] = T.Cast(
-                    f"float32x{ug}",
-                    _pairs(s[row, T.Ramp(2 * u * ug, 1, 2 * ug)], ug, 0),
-                )
-                ml[T.Ramp(0, 1, ug)] = T.Cast(
-                    f"float32x{ug}",
-                    _pairs(s[row, T.Ramp(2 * u * ug, 1, 2 * ug)], ug, 1),
-                )
+                sl[T.Ramp(0, 1, ug)] = group_params_vec(s, row, u * ug, ug, 0, layout, kg)
+                ml[T.Ramp(0, 1, ug)] = group_params_vec(s, row, u * ug, ug, 1, layout, kg)
             else:
                 sl[T.Ramp(0, 1, ug)] = T.Cast(
                     f"float32x{ug}", s[row, T.Ramp(u * ug, 1, ug)]
@@ -604,12 +612,8 @@ def gemv_q4_vnni_macro(
                 [w[row, T.Ramp(g4 * WORDS_PER_GROUP + u * LANES, 1, LANES)]], 4
             )
             if asym:
-                sl[T.Ramp(0, 1, 4)] = T.Cast(
-                    "float32x4", _pairs(s[row, T.Ramp(2 * (g4 + u * 4), 1, 8)], 4, 0)
-                )
-                ml[T.Ramp(0, 1, 4)] = T.Cast(
-                    "float32x4", _pairs(s[row, T.Ramp(2 * (g4 + u * 4), 1, 8)], 4, 1)
-                )
+                sl[T.Ramp(0, 1, 4)] = group_params_vec(s, row, g4 + u * 4, 4, 0, layout, kg)
+                ml[T.Ramp(0, 1, 4)] = group_params_vec(s, row, g4 + u * 4, 4, 1, layout, kg)
             else:
                 sl[T.Ramp(0, 1, 4)] = T.Cast("float32x4", s[row, T.Ramp(g4 + u * 4, 1, 4)])
             unit(wl, sl, ml, f4, xq, xs, xo, r0, nrows, g4 + u * 4, 4)
@@ -642,11 +646,11 @@ def gemv_q4_vnni_macro(
             if asym:
                 for i in range(4):
                     st[i] = T.Select(
-                        i < part, T.Cast(F32, s[row, 2 * T.min(gp + i, kg - 1)]), T.float32(0)
+                        i < part, group_param(s, row, T.min(gp + i, kg - 1), 0, layout, kg),
+                        T.float32(0)
                     )
                     mt[i] = T.Select(
-                        i < part,
-                        T.Cast(F32, s[row, 2 * T.min(gp + i, kg - 1) + 1]),
+                        i < part, group_param(s, row, T.min(gp + i, kg - 1), 1, layout, kg),
                         T.float32(0),
                     )
             else:
@@ -717,8 +721,9 @@ def gemv_q4(
     `padded_k(k)`, the stored width (columns past k are padding).
 
     `asym`: the asymmetric modes' weights, value q * scale + min, S [n, 2 kp/32] of
-    `scale_dtype` (default float16; float32 in q4f32_k) with each group's scale and min side by
-    side; otherwise (q - 8) * S with S of `scale_dtype` (default `dtype`; float16 in the modes
+    `scale_dtype` (default float16) with each group's scale and min side by side, or with
+    uint8 (`K_SCALE_DTYPE`) q4f32_k's Q4_K super-block form [n, `q4_k_width`(kp/32)];
+    otherwise (q - 8) * S with S of `scale_dtype` (default `dtype`; float16 in the modes
     holding llama.cpp's Q4_0). Every kernel reads the group parameters through a conversion to
     float32, so only the buffer's type changes.
     `avx512`: True: unpack with a table lookup (the target must have AVX-512F;
@@ -729,10 +734,12 @@ def gemv_q4(
     One row (single-sequence decode) has its own copy of the body with m = 1 known: with
     no-alias buffers LLVM schedules the short-k loops of the dynamic-m body ~1.4x slower
     (k = 512: 34 vs 24 us, Zen 4, 2 threads)."""
-    body = gemv_q4_macro(k, n, dtype, bias, avx512, asym)
     kw, kg = padded_k(k) // NIBBLES_PER_WORD, padded_k(k) // GROUP_SIZE
     # the group parameters
     ks, sdt = (2 * kg, scale_dtype or "float16") if asym else (kg, scale_dtype or dtype)
+    if asym and scale_dtype == K_SCALE_DTYPE:
+        asym, ks = Q4K, q4_k_width(kg)
+    body = gemv_q4_macro(k, n, dtype, bias, avx512, asym)
 
     if bias:
 

@@ -30,11 +30,14 @@ import functools
 from tvm import tirx
 from tvm.script import tirx as T
 
+from localchat.engine.build.quantization import q4_k_width
 from localchat.engine.kernels.common import (
     GROUP_SIZE,
     INT8_ISAS,
+    K_SCALE_DTYPE,
     LANES,
     NIBBLES_PER_WORD,
+    Q4K,
     divisor,
     padded_k,
     scheduled,
@@ -192,9 +195,10 @@ def moe_gemv(
 ) -> tirx.PrimFunc:
     """y [m, topk, n] = x @ W_e^T per token and slot, e = idx[t, j], W [experts * n, k] stored
     as `quant`: "f" (float of `dtype`), "q4" ((q - 8) * scale), "q4_asym" (float16 scale and
-    min) or "q8" (int8 q * float16 scale, `quantization.quantize_q8`); `avx512` as
-    `gemv.gemv_q4`'s. `shared`: x is [m, 1, k], one input for every slot (the
-    gate/up projection); otherwise [m, topk, k], each slot its own (the down projection)."""
+    min), "q4_k" (q4f32_k's Q4_K super-blocks) or "q8" (int8 q * float16 scale,
+    `quantization.quantize_q8`); `avx512` as `gemv.gemv_q4`'s. `shared`: x is [m, 1, k], one
+    input for every slot (the gate/up projection); otherwise [m, topk, k], each slot its own
+    (the down projection)."""
     kx = 1 if shared else topk
     if quant == "f":
         body = gemv_f_macro(k, n, dtype)
@@ -204,10 +208,11 @@ def moe_gemv(
                 else gemv_q8_macro(k, n, dtype, False))
         kw, ks, wdt, sdt = padded_k(k), padded_k(k) // GROUP_SIZE, "int8", "float16"
     else:
-        asym = quant == "q4_asym"
+        asym = {"q4_asym": True, "q4_k": Q4K}.get(quant, False)
         body = gemv_q4_macro(k, n, dtype, False, avx512, asym)
         kw, kg = padded_k(k) // NIBBLES_PER_WORD, padded_k(k) // GROUP_SIZE
-        ks, sdt = (2 * kg, "float16") if asym else (kg, dtype)
+        ks, sdt = {"q4_asym": (2 * kg, "float16"),
+                   "q4_k": (q4_k_width(kg), K_SCALE_DTYPE)}.get(quant, (kg, dtype))
         wdt = "uint32"
 
     @T.macro

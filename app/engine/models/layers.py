@@ -16,7 +16,8 @@ groups (`quantization.padded_k`); every kernel and the GPU dequantize read only 
 so the padding is invisible outside the stored layout.
 
 In the asymmetric modes a 4-bit weight's `scale` holds each group's scale and min side by side
-(float16; float32 in q4f32_k), and in every mode that holds a llama.cpp type (`QuantMode.gguf_type`:
+(float16), or in q4f32_k Q4_K's super-blocks as uint8 bytes (`quantization`), and in every mode
+that holds a llama.cpp type (`QuantMode.gguf_type`:
 the asymmetric ones, q4f32_0 / q4f16_0) the token embedding and the LM head are 8-bit (int8
 values, a float16 scale per group: `quantization.quantize_q8`), run by `gemv.gemv_q8`; an int8
 weight is the 8-bit layout, so `linear` needs no flag beyond the mode. In the 8-bit modes
@@ -34,10 +35,16 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 from tvm.target import Target
 
-from localchat.engine.build.quantization import GROUP_SIZE, NIBBLES_PER_WORD, QuantMode, padded_k
+from localchat.engine.build.quantization import (
+    GROUP_SIZE,
+    K_SCALE_DTYPE,
+    NIBBLES_PER_WORD,
+    QuantMode,
+    padded_k,
+)
 from localchat.engine.kernels import elementwise, matmul
 from localchat.engine.kernels import gemv as gemv_kernels
-from localchat.engine.kernels.common import gemv_isa, wide_registers
+from localchat.engine.kernels.common import Q4K, gemv_isa, group_param, wide_registers
 from localchat.engine.kernels.gemm import NR as PANEL_WIDTH
 
 Q8_DTYPE = "int8"  # the 8-bit layout's weight dtype (the 4-bit one's is uint32 words)
@@ -84,9 +91,10 @@ def _dequant_value(
     shift = ((col % NIBBLES_PER_WORD) * 4).astype("uint32")
     nibble = tirx.bitwise_and(tirx.shift_right(word, shift), tirx.const(15, "uint32"))
     if asym:
-        value = nibble.astype("float32") * scale[row, 2 * group].astype("float32") + scale[
-            row, 2 * group + 1
-        ].astype("float32")
+        layout = Q4K if scale.dtype == K_SCALE_DTYPE else True
+        kg = (words.shape[1] * NIBBLES_PER_WORD) // GROUP_SIZE
+        value = nibble.astype("float32") * group_param(scale, row, group, 0, layout, kg) + \
+            group_param(scale, row, group, 1, layout, kg)
         return value.astype(dtype)
     # the scale may be float16 under float32 activations (the modes holding llama.cpp's Q4_0)
     return (nibble.astype("int32") - 8).astype(dtype) * scale[row, group].astype(dtype)
@@ -103,10 +111,9 @@ def _quantized_params(
     if mode.bits == 8 or (head and mode.head_bits == 8):
         # the 8-bit layout's scales are float16 in every mode (`quantization.quantize_q8`)
         return nn.Parameter((rows, kp), Q8_DTYPE), nn.Parameter((rows, groups), "float16")
-    per_group = 2 if mode.asymmetric else 1
     return (
         nn.Parameter((rows, kp // NIBBLES_PER_WORD), "uint32"),
-        nn.Parameter((rows, groups * per_group), mode.group_dtype),
+        nn.Parameter((rows, mode.group_width(groups)), mode.group_dtype),
     )
 
 

@@ -31,7 +31,7 @@ from tvm import te
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
-from localchat.engine.build.quantization import get_quant_mode
+from localchat.engine.build.quantization import K_SCALE_DTYPE, get_quant_mode
 from localchat.engine.kernels import moe as moe_kernels
 from localchat.engine.models import Architecture, GgufMap, GgufSource, llama, probes
 from localchat.engine.models.layers import (
@@ -140,6 +140,8 @@ class MoeMLP(nn.Module):
             return "f"
         if self.mode.bits == 8:
             return "q8"
+        if self.mode.group_dtype == K_SCALE_DTYPE:
+            return "q4_k"
         return "q4_asym" if self.mode.asymmetric else "q4"
 
     def _grouped(self, x: nn.Tensor, proj: Linear, idx: nn.Tensor, k: int, n: int,
