@@ -26,11 +26,13 @@ from localchat.engine.build.quantization import (
 )
 
 __all__ = [
+    "FP4_DOUBLED",
     "GPU_COPY_THREADS",
     "GPU_THREADS",
     "GROUP_SIZE",
     "INT8_ISAS",
     "K_SCALE_DTYPE",
+    "MX",
     "Q4K",
     "LANES",
     "LOG2E",
@@ -38,6 +40,7 @@ __all__ = [
     "SCHEDULED_ATTRS",
     "WORDS_PER_GROUP",
     "divisor",
+    "e8m0",
     "exp2",
     "gemv_isa",
     "group_param",
@@ -64,6 +67,21 @@ INT8_ISAS = ("vnni", "avx2")  # `gemv_isa` values whose 4-bit GEMV rounds activa
 # The kernels' `asym` value for q4f32_k's Q4_K super-block parameters (`quantization`): truthy,
 # so every asymmetric code path serves it and only the reads of scale and min differ.
 Q4K = "q4k"
+
+
+# The kernels' `mx` layout: MXFP4 (OCP microscaling FP4: E2M1 codes, an E8M0 exponent per 32)
+MX = "mxfp4"
+# FP4 (E2M1) codes 0..15 doubled, so integers in [-12, 12]: the int8 kernels' weights
+FP4_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def e8m0(v, lanes: int = 1):
+    """2 ** (v - 127) as float32 for uint8 E8M0 exponents v (scalar or `lanes` lanes): the
+    exponent field set directly (v = 0, 2 ** -127, would be a denormal: the quantizer never
+    stores it)."""
+    i32, f32 = ("int32", "float32") if lanes == 1 else (f"int32x{lanes}", f"float32x{lanes}")
+    return T.reinterpret(f32, T.shift_left(T.Cast(i32, v), T.int32(23) if lanes == 1
+                                           else T.Broadcast(T.int32(23), lanes)))
 
 
 def _super_param(s, row, kg: int, g, which: int):
@@ -96,14 +114,17 @@ def group_params_vec(s, row, g0, lanes: int, which: int, asym, kg: int):
     if asym != Q4K:
         return value
     assert lanes in (4, 8, 16), lanes
-    lane = T.Ramp(T.int32(0), T.int32(1), lanes)
-    factor = T.Broadcast(_super_param(s, row, kg, g0 + (lanes - 1) // SUPER_GROUPS * SUPER_GROUPS,
-                                      which), lanes)
-    for b in range((lanes - 1) // SUPER_GROUPS - 1, -1, -1):
-        factor = T.Select(lane < T.Broadcast(T.int32((b + 1) * SUPER_GROUPS), lanes),
-                          T.Broadcast(_super_param(s, row, kg, g0 + b * SUPER_GROUPS, which),
-                                      lanes),
-                          factor)
+    # the d and dmin of the lanes' super-blocks: one load of their float16 bytes, converted
+    # together, each lane taking its super-block's
+    blocks = -(-lanes // SUPER_GROUPS)
+    raw = s[row, T.Ramp(2 * kg + g0 // SUPER_GROUPS * 4, 1, 4 * blocks)]
+    supers = T.Cast(f"float32x{2 * blocks}", T.reinterpret(f"float16x{2 * blocks}", raw))
+    # (a Shuffle returns at most as many lanes as its inputs have: the pair repeated)
+    copies = -(-lanes // (2 * blocks))
+    factor = tirx.Shuffle([supers] * copies,
+                          [2 * (i // SUPER_GROUPS) + which for i in range(lanes)])
+    if which == 1:
+        factor = T.Broadcast(T.float32(0), lanes) - factor
     return value * factor
 
 

@@ -60,14 +60,17 @@ from tvm.script import tirx as T
 
 from localchat.engine.build.quantization import q4_k_width
 from localchat.engine.kernels.common import (
+    FP4_DOUBLED,
     GROUP_SIZE,
     INT8_ISAS,
     K_SCALE_DTYPE,
     LANES,
+    MX,
     NIBBLES_PER_WORD,
     Q4K,
     WORDS_PER_GROUP,
     divisor,
+    e8m0,
     group_param,
     group_params_vec,
     lane_tree,
@@ -85,13 +88,25 @@ LONG_VEC_UNROLL = 1  # word vectors in flight per row when k > LONG_K
 F32 = "float32"
 
 
-def _nibble_dot(w, xp, row, r, word, centered: bool = False):
+def _fp4(code):
+    """The FP4 (E2M1) value of a uint32 code 0..15 as float32: sign bit 3, exponent bits 1-2,
+    mantissa bit 0 (exponent 0: 0 or 0.5; else (2 + m) 2 ** (e - 2))."""
+    e = T.bitwise_and(T.shift_right(code, T.uint32(1)), T.uint32(3))
+    m = T.Cast(F32, T.bitwise_and(code, T.uint32(1)))
+    scale = T.Cast(F32, T.shift_left(T.uint32(1), e)) * T.float32(0.25)
+    mag = T.Select(e == T.uint32(0), m * T.float32(0.5), (T.float32(2) + m) * scale)
+    return T.Select(T.bitwise_and(code, T.uint32(8)) != T.uint32(0), T.float32(0) - mag, mag)
+
+
+def _nibble_dot(w, xp, row, r, word, centered: bool = False, mx: bool = False):
     """sum over the 8 nibbles q_p of w[row, word] of q_p * x[r, 8 word + p] (or of (q_p - 8) * x
-    when `centered`), as one expression so the products chain in registers."""
+    when `centered`, or of FP4(q_p) * x with `mx`), as one expression so the products chain in
+    registers."""
     total = None
     for p in range(NIBBLES_PER_WORD):
-        q = T.Cast(F32, T.bitwise_and(T.shift_right(w[row, word], T.uint32(p * 4)), T.uint32(15)))
-        if centered:
+        code = T.bitwise_and(T.shift_right(w[row, word], T.uint32(p * 4)), T.uint32(15))
+        q = _fp4(code) if mx else T.Cast(F32, code)
+        if centered and not mx:
             q = q - T.float32(8)
         term = q * xp[r, p, word]
         total = term if total is None else total + term
@@ -107,9 +122,11 @@ def _group_index(group, stride: int, offset: int):
 def _param(s, row, group, stride: int, offset: int, layout=True, kg: int = 0):
     """Group `group`'s parameter as float32: s[row, `_group_index`] (symmetric scale), or with
     `stride` 2 the asymmetric scale (offset 0) or min (1) in `layout` (`common.group_param`'s
-    `asym`: True, or Q4K with kg groups per row)."""
+    `asym`: True, or Q4K with kg groups per row; MX: the symmetric scale is an E8M0 exponent)."""
     if stride == 2:
         return group_param(s, row, group, offset, layout, kg)
+    if layout == MX:
+        return e8m0(s[row, group])
     return T.Cast(F32, s[row, _group_index(group, stride, offset)])
 
 
@@ -153,7 +170,8 @@ def _store_macro(dtype: str, bias: bool):
 
 
 def gemv_q4_macro(
-    k: int, n: int, dtype: str, bias: bool, avx512: bool | str = False, asym: bool = False
+    k: int, n: int, dtype: str, bias: bool, avx512: bool | str = False, asym: bool = False,
+    mx: bool = False,
 ):
     """The 4-bit GEMV as a macro `(x, w, s, b, y, m)` over buffers x [m, k], w [n, kp/8] uint32,
     s [n, kp/32] (kp = `padded_k(k)`; with `asym` [n, 2 kp/32] float16, scale and min of each
@@ -162,11 +180,14 @@ def gemv_q4_macro(
     `asym`: value q * scale + min (the asymmetric modes) instead of (q - 8) * scale. Per group,
     sum (q scale + min) x = scale sum q x + min sum x: the nibbles are taken as 0..15 and the mins
     meet per-word sums of x (the generic kernel's sums for the -8 offset; the table kernel
-    computes them too)."""
+    computes them too).
+
+    `mx`: MXFP4 weights (the nibbles FP4 codes, s [n, kp/32] uint8 E8M0 exponents: value
+    FP4(q) * 2 ** (s - 127)), symmetric."""
     if avx512 in INT8_ISAS:
-        return gemv_q4_vnni_macro(k, n, dtype, bias, asym=asym, isa=avx512)
+        return gemv_q4_vnni_macro(k, n, dtype, bias, asym=asym, isa=avx512, mx=mx)
     # the group parameters' layout (`common.group_param`); `asym` a bool for TVMScript's ifs
-    layout, asym = asym, bool(asym)
+    layout, asym = (MX if mx else asym), bool(asym)
     kw = padded_k(k) // NIBBLES_PER_WORD
     nv = kw // LANES  # full vectors of 16 words per row
     tw = kw % LANES  # words of the last, narrower vector (a multiple of 4)
@@ -190,7 +211,10 @@ def gemv_q4_macro(
         shifted = (
             words_u32 if p == 0 else T.shift_right(words_u32, T.Broadcast(T.uint32(4 * p), LANES))
         )
-        table = T.Cast(v16, T.Ramp(T.int32(0 if asym else -8), T.int32(1), LANES))
+        if mx:
+            table = tirx.Shuffle([T.float32(v / 2) for v in FP4_DOUBLED], list(range(LANES)))
+        else:
+            table = T.Cast(v16, T.Ramp(T.int32(0 if asym else -8), T.int32(1), LANES))
         return T.call_llvm_pure_intrin(
             v16, "llvm.x86.avx512.permvar.sf.512", table, T.reinterpret(f"int32x{LANES}", shifted)
         )
@@ -228,6 +252,9 @@ def gemv_q4_macro(
             return _lane_scale(s, row, g0, e, groups, 2, 0, layout, kg) * _nibble_dot(
                 w, xp, row, r, wd0 + e
             ) + _lane_scale(s, row, g0, e, groups, 2, 1, layout, kg) * xs[r, wd0 + e]
+        if mx:
+            return _lane_scale(s, row, g0, e, groups, 1, 0, layout) * _nibble_dot(
+                w, xp, row, r, wd0 + e, mx=True)
         return _lane_scale(s, row, g0, e, groups) * (
             _nibble_dot(w, xp, row, r, wd0 + e) - T.float32(8) * xs[r, wd0 + e]
         )
@@ -273,8 +300,8 @@ def gemv_q4_macro(
             return _lane_scale(s, row, g0, e, groups, 2, 0, layout, kg) * _nibble_dot(
                 w, xp, row, r, nv * LANES + e
             ) + _lane_scale(s, row, g0, e, groups, 2, 1, layout, kg) * xs[r, nv * LANES + e]
-        return _lane_scale(s, row, g0, e, groups) * _nibble_dot(
-            w, xp, row, r, nv * LANES + e, centered=True
+        return _lane_scale(s, row, g0, e, groups, 1, 0, layout) * _nibble_dot(
+            w, xp, row, r, nv * LANES + e, centered=True, mx=mx
         )
 
     @T.macro
@@ -415,9 +442,28 @@ def _unpack_unit(vectors, groups: int):
     return tirx.Shuffle(parts, list(range(8 * groups)))
 
 
+MX_OFFSET = 12  # MXFP4's doubled FP4 values in [-12, 12] stored as unsigned bytes v + 12
+
+
+def _fp4_bytes(words, lanes: int, width: int):
+    """Each byte b (a nibble, 0..15) of the uint32 vector `words` (`lanes` lanes) replaced by
+    FP4_DOUBLED[b] + MX_OFFSET: pshufb over a table repeated in each 128-bit lane, on pieces of
+    `width` words (16: AVX-512BW's 512-bit form; 8: AVX2's)."""
+    table = [v + MX_OFFSET for v in FP4_DOUBLED]
+    name, nbytes = {16: ("llvm.x86.avx512.pshuf.b.512", 64),
+                    8: ("llvm.x86.avx2.pshuf.b", 32)}[width]
+    lut = tirx.Shuffle([T.int8(table[i % 16]) for i in range(nbytes)], list(range(nbytes)))
+    parts = [
+        T.reinterpret(f"uint32x{width}", T.call_llvm_pure_intrin(
+            f"int8x{nbytes}", name, lut, T.reinterpret(f"int8x{nbytes}", piece)))
+        for piece in _chunks(words, lanes, width)
+    ]
+    return parts[0] if len(parts) == 1 else tirx.Shuffle(parts, list(range(lanes)))
+
+
 def gemv_q4_vnni_macro(
     k: int, n: int, dtype: str, bias: bool, rows: int = VNNI_ROWS, asym: bool = False,
-    isa: str = "vnni",
+    isa: str = "vnni", mx: bool = False,
 ):
     """The 4-bit GEMV with int8 activations and AVX-512 VNNI, as a macro `(x, w, s, b, y, m)`
     over the buffers of `gemv_q4_macro`. `isa` "avx2": the same layout with AVX2's pmaddubsw /
@@ -440,10 +486,17 @@ def gemv_q4_vnni_macro(
     group's sum of the quantized x (x scale * the int8 sum, computed with the int8 values), so
     the result is the dequantized weights times the int8-rounded x, as in the symmetric modes
     (with the float sum of x instead, the min term would carry |w - min| rather than |w| times
-    x's rounding: ~2.5x the error on Gaussian groups)."""
+    x's rounding: ~2.5x the error on Gaussian groups).
+
+    `mx` (MXFP4: FP4 codes, E8M0 exponents): each unpacked nibble byte becomes its doubled FP4
+    value plus 12 (an unsigned byte in [0, 24]) by one pshufb over a 16-entry table, the
+    accumulators start at -12 * the group's int8 sum, and the scale is 2 ** (e - 128): the
+    same integer dot products as the 4-bit kernel's, with a table lookup more per weight
+    vector."""
     kp = padded_k(k)
     kw, kg = kp // NIBBLES_PER_WORD, kp // GROUP_SIZE
     layout, asym = asym, bool(asym)  # as in `gemv_q4_macro`
+    offset = MX_OFFSET if mx else 8  # the unsigned weight bytes' offset from the signed value
     # groups per unit: 16 (one 512-bit vector of int32 lanes); with AVX2 8, so that a unit's 8
     # unpacked weight vectors fit in its 16 registers beside the row's accumulators
     ug = AVX2_UNIT if isa == "avx2" else LANES
@@ -503,7 +556,7 @@ def gemv_q4_vnni_macro(
                 F32, lane_tree(qv[T.Ramp(0, 1, GROUP_SIZE)], GROUP_SIZE, _add)
             ) * xs[r, g]
         else:
-            xo[r, g] = lane_tree(qv[T.Ramp(0, 1, GROUP_SIZE)], GROUP_SIZE, _add) * -8
+            xo[r, g] = lane_tree(qv[T.Ramp(0, 1, GROUP_SIZE)], GROUP_SIZE, _add) * -offset
 
     # groups [0, g4) sit in units of 16, [g4, kg4) in units of 4; contiguous loads up to kfull
     f16, m16 = min(kfull, g4), g4
@@ -538,21 +591,38 @@ def gemv_q4_vnni_macro(
             for r in range(m):
                 prep_row(x, xq, xs, xo, r)
 
+    def unpack(vectors, groups: int):
+        """A unit's weight bytes (`_unpack_unit`); MXFP4's through the FP4 table."""
+        words = _unpack_unit(vectors, groups)
+        return _fp4_bytes(words, 8 * groups, 16 if isa == "vnni" else 8) if mx else words
+
+    def sym_scales(v, lanes: int):
+        """A symmetric weight's scales as float32: MXFP4's E8M0 exponents as 2 ** (e - 128)
+        (its bytes are doubled FP4 values)."""
+        if mx:
+            return e8m0(v, lanes) * (T.float32(0.5) if lanes == 1
+                                     else T.Broadcast(T.float32(0.5), lanes))
+        return T.Cast(F32 if lanes == 1 else f"float32x{lanes}", v)
+
     def chain(wl, xq, xo, r, g0, groups):
         acc = T.Broadcast(T.int32(0), groups) if asym else xo[r, T.Ramp(g0, 1, groups)]
         if isa == "avx2":
             # the 8 int16 partial sums add up in int16 (at most 8 * 2 * 15 * 127 = 30480 in
             # size), then one pmaddwd widens each lane pair: 8 + 7 + 1 operations per unit
-            # where AVX-512 VNNI takes 8
-            s16 = None
-            for q in range(8):
-                p = _maddubs(
-                    wl[T.Ramp(q * groups, 1, groups)],
-                    xq[r, T.Ramp(g0 * XQ_WORDS_PER_GROUP + q * groups, 1, groups)],
-                    groups,
-                )
-                s16 = p if s16 is None else s16 + p
-            return T.Cast(f"float32x{groups}", acc + _madd_pairs(s16, groups))
+            # where AVX-512 VNNI takes 8. MXFP4's bytes reach 24: 8 * 2 * 24 * 127 would
+            # overflow int16, so its two halves are widened apart.
+            span = 4 if mx else 8
+            for half in range(8 // span):
+                s16 = None
+                for q in range(half * span, half * span + span):
+                    p = _maddubs(
+                        wl[T.Ramp(q * groups, 1, groups)],
+                        xq[r, T.Ramp(g0 * XQ_WORDS_PER_GROUP + q * groups, 1, groups)],
+                        groups,
+                    )
+                    s16 = p if s16 is None else s16 + p
+                acc = acc + _madd_pairs(s16, groups)
+            return T.Cast(f"float32x{groups}", acc)
         for q in range(8):
             acc = _dpbusd(
                 acc,
@@ -596,29 +666,27 @@ def gemv_q4_vnni_macro(
             f16[T.Ramp(a * ug, 1, ug)] = T.Broadcast(T.float32(0), ug)
             f4[T.Ramp(a * 4, 1, 4)] = T.Broadcast(T.float32(0), 4)
         for u in range(nb):
-            wl[T.Ramp(0, 1, 8 * ug)] = _unpack_unit(
+            wl[T.Ramp(0, 1, 8 * ug)] = unpack(
                 [w[row, T.Ramp(u * 4 * ug + v * ug, 1, ug)] for v in range(4)], ug
             )
             if asym:
                 sl[T.Ramp(0, 1, ug)] = group_params_vec(s, row, u * ug, ug, 0, layout, kg)
                 ml[T.Ramp(0, 1, ug)] = group_params_vec(s, row, u * ug, ug, 1, layout, kg)
             else:
-                sl[T.Ramp(0, 1, ug)] = T.Cast(
-                    f"float32x{ug}", s[row, T.Ramp(u * ug, 1, ug)]
-                )
+                sl[T.Ramp(0, 1, ug)] = sym_scales(s[row, T.Ramp(u * ug, 1, ug)], ug)
             unit(wl, sl, ml, f16, xq, xs, xo, r0, nrows, u * ug, ug)
         for u in range(n4):
-            wl[T.Ramp(0, 1, 32)] = _unpack_unit(
+            wl[T.Ramp(0, 1, 32)] = unpack(
                 [w[row, T.Ramp(g4 * WORDS_PER_GROUP + u * LANES, 1, LANES)]], 4
             )
             if asym:
                 sl[T.Ramp(0, 1, 4)] = group_params_vec(s, row, g4 + u * 4, 4, 0, layout, kg)
                 ml[T.Ramp(0, 1, 4)] = group_params_vec(s, row, g4 + u * 4, 4, 1, layout, kg)
             else:
-                sl[T.Ramp(0, 1, 4)] = T.Cast("float32x4", s[row, T.Ramp(g4 + u * 4, 1, 4)])
+                sl[T.Ramp(0, 1, 4)] = sym_scales(s[row, T.Ramp(g4 + u * 4, 1, 4)], 4)
             unit(wl, sl, ml, f4, xq, xs, xo, r0, nrows, g4 + u * 4, 4)
         if has_part:
-            wl[T.Ramp(0, 1, 32)] = _unpack_unit([wt[T.Ramp(0, 1, LANES)]], 4)
+            wl[T.Ramp(0, 1, 32)] = unpack([wt[T.Ramp(0, 1, LANES)]], 4)
             sl[T.Ramp(0, 1, 4)] = st[T.Ramp(0, 1, 4)]
             if asym:
                 ml[T.Ramp(0, 1, 4)] = mt[T.Ramp(0, 1, 4)]
@@ -656,7 +724,7 @@ def gemv_q4_vnni_macro(
             else:
                 for i in range(4):
                     st[i] = T.Select(
-                        i < part, T.Cast(F32, s[row, T.min(gp + i, kg - 1)]), T.float32(0)
+                        i < part, sym_scales(s[row, T.min(gp + i, kg - 1)], 1), T.float32(0)
                     )
 
     @T.macro
@@ -715,7 +783,7 @@ def gemv_q4_vnni_macro(
 @functools.cache  # parsing the TVMScript is most of a model's export time
 def gemv_q4(
     k: int, n: int, dtype: str, avx512: bool | str = False, bias: bool = False, asym: bool = False,
-    scale_dtype: str | None = None,
+    scale_dtype: str | None = None, mx: bool = False,
 ) -> tirx.PrimFunc:
     """y[m, n] = x[m, k] @ dequant(W[n, kp/8], S[n, kp/32])^T (+ b), m small (decode); kp =
     `padded_k(k)`, the stored width (columns past k are padding).
@@ -724,8 +792,9 @@ def gemv_q4(
     `scale_dtype` (default float16) with each group's scale and min side by side, or with
     uint8 (`K_SCALE_DTYPE`) q4f32_k's Q4_K super-block form [n, `q4_k_width`(kp/32)];
     otherwise (q - 8) * S with S of `scale_dtype` (default `dtype`; float16 in the modes
-    holding llama.cpp's Q4_0). Every kernel reads the group parameters through a conversion to
-    float32, so only the buffer's type changes.
+    holding llama.cpp's Q4_0); `mx`: MXFP4 (FP4 codes, S uint8 E8M0 exponents). Every kernel
+    reads the group parameters through a conversion to float32, so only the buffer's type
+    changes.
     `avx512`: True: unpack with a table lookup (the target must have AVX-512F;
     `common.has_avx512`); "vnni": int8 activations and VNNI dot products (`gemv_q4_vnni_macro`;
     the target must have AVX-512 VNNI, `common.has_avx512_vnni`), results within int8 rounding of
@@ -739,7 +808,9 @@ def gemv_q4(
     ks, sdt = (2 * kg, scale_dtype or "float16") if asym else (kg, scale_dtype or dtype)
     if asym and scale_dtype == K_SCALE_DTYPE:
         asym, ks = Q4K, q4_k_width(kg)
-    body = gemv_q4_macro(k, n, dtype, bias, avx512, asym)
+    if mx:
+        sdt = "uint8"
+    body = gemv_q4_macro(k, n, dtype, bias, avx512, asym, mx)
 
     if bias:
 
