@@ -33,7 +33,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 DEVICE_KINDS = ("gpu", "cpu")
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
-QUANT_RE = re.compile(r"^q\d+f(16|32)(_\d+|_asym)?$")  # q4f32_1, q4f32_asym, ...
+QUANT_RE = re.compile(r"^q\d+f(16|32)(_\d+|_asym|_k|_mx)?$")  # q4f32_1, q4f32_asym, q4f32_mx, ...
 IDENT_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 OFFLINE_KINDS = ("pypi-wheel",)

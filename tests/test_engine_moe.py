@@ -22,9 +22,11 @@ import torch
 
 from localchat.engine.build import gguf as lg
 from localchat.engine.build.quantization import (
+    dequantize_mx,
     dequantize_q4,
     dequantize_q8,
     get_quant_mode,
+    quantize_mx,
     quantize_q4,
     quantize_q4_asym,
     quantize_q4_k,
@@ -148,6 +150,7 @@ def test_expert_kernels_match_numpy() -> None:
     w = rng.standard_normal((experts * n, k), dtype=np.float32) * 0.1
     wq = quantize_q4(w, "float32")
     wa = quantize_q4_asym(w)
+    wm = quantize_mx(w)
     # down-projection shaped: reduction 88 (a padded group), 144 outputs
     wd = rng.standard_normal((experts * k, n), dtype=np.float32) * 0.1
     wdq = quantize_q4(wd, "float32")
@@ -158,9 +161,14 @@ def test_expert_kernels_match_numpy() -> None:
         "q4": moe.moe_gemv(k, n, experts, top, "float32", "q4"),
         "q4_asym": moe.moe_gemv(k, n, experts, top, "float32", "q4_asym"),
         "q8": moe.moe_gemv(k, n, experts, top, "float32", "q8"),
+        "mxfp4": moe.moe_gemv(k, n, experts, top, "float32", "mxfp4"),
         "down_q4": moe.moe_gemv(n, k, experts, top, "float32", "q4", shared=False),
         "combine": moe.moe_combine(n, top, "float32"),
     }
+    from localchat.engine.kernels.common import has_avx512
+
+    if has_avx512(cpu_target()):  # the AVX-512 table-lookup GEMV (a CPU without VNNI)
+        funcs["mxfp4_table"] = moe.moe_gemv(k, n, experts, top, "float32", "mxfp4", True)
     lib = tvm.compile(tvm.IRModule({name: f.with_attr("global_symbol", name)
                                     for name, f in funcs.items()}), cpu_target())
     dev = tvm.cpu()
@@ -186,9 +194,11 @@ def test_expert_kernels_match_numpy() -> None:
     x = rng.standard_normal((m, 1, k), dtype=np.float32)
     w8 = quantize_q8(w)
     dense = {"f": w, "q4": dequantize_q4(*wq, k), "q4_asym": dequantize_q4(*wa, k, asymmetric=True),
-             "q8": dequantize_q8(*w8, k)}
-    weights = {"f": (w,), "q4": wq, "q4_asym": wa, "q8": w8}
-    for name in ("f", "q4", "q4_asym", "q8"):
+             "q8": dequantize_q8(*w8, k), "mxfp4": dequantize_mx(*wm, k)}
+    dense["mxfp4_table"] = dense["mxfp4"]
+    weights = {"f": (w,), "q4": wq, "q4_asym": wa, "q8": w8, "mxfp4": wm, "mxfp4_table": wm}
+    for name in ("f", "q4", "q4_asym", "q8", "mxfp4") + (("mxfp4_table",) if "mxfp4_table" in funcs
+                                                          else ()):
         (y,) = run(name, x, *weights[name], idx, out=[((m, top, n), "float32")])
         ref = np.stack([[x[t, 0].astype(np.float64) @ dense[name][e * n:(e + 1) * n].T
                          for e in idx[t]] for t in range(m)])
@@ -229,7 +239,11 @@ def test_int8_expert_gemv_matches_numpy_and_one_token_equals_batched(isa: str) -
     wa = quantize_q4_asym(rng.standard_normal((experts * n, k), dtype=np.float32) * 0.1)
     wd = quantize_q4(rng.standard_normal((experts * k, n), dtype=np.float32) * 0.1, "float32")
     w8 = quantize_q8(rng.standard_normal((experts * k, n), dtype=np.float32) * 0.1)
+    wm = quantize_mx(rng.standard_normal((experts * n, k), dtype=np.float32) * 0.1)
+    wmd = quantize_mx(rng.standard_normal((experts * k, n), dtype=np.float32) * 0.1)
     funcs = {
+        "mxfp4": moe.moe_gemv(k, n, experts, top, "float32", "mxfp4", isa),
+        "down_mxfp4": moe.moe_gemv(n, k, experts, top, "float32", "mxfp4", isa, shared=False),
         "q4": moe.moe_gemv(k, n, experts, top, "float32", "q4", isa),
         "down_q8": moe.moe_gemv(n, k, experts, top, "float32", "q8", isa, shared=False),
         "q4_asym": moe.moe_gemv(k, n, experts, top, "float32", "q4_asym", isa),
@@ -252,6 +266,8 @@ def test_int8_expert_gemv_matches_numpy_and_one_token_equals_batched(isa: str) -
         "q4_asym": (x, wa, dequantize_q4(*wa, k, asymmetric=True), k, n),
         "down": (xd, wd, dequantize_q4(*wd, n), n, k),
         "down_q8": (xd, w8, dequantize_q8(*w8, n), n, k),
+        "mxfp4": (x, wm, dequantize_mx(*wm, k), k, n),
+        "down_mxfp4": (xd, wmd, dequantize_mx(*wmd, n), n, k),
     }
     for name, (xin, weights, dense, kk, nn) in cases.items():
         y = run(name, xin, weights, idx, (m, top, nn))

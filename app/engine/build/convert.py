@@ -34,7 +34,7 @@ from localchat.engine.kernels.gemm import weight_panels
 from localchat.engine.models import Architecture, detect_architecture
 from localchat.engine.templates import load_chat_template
 from localchat.engine.tokenizer import WORLD_VOCAB_FILE, read_json
-from localchat.errors import ModelConfigError, WeightsError
+from localchat.errors import ModelConfigError, QuantizationError, WeightsError
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -165,6 +165,10 @@ def convert_model(
     arch = detect_architecture(hf, sentence_transformers=is_sentence_transformers(source_dir))
     mode = get_quant_mode(quantization)
     config = arch.config_from_hf(hf)
+    if mode.experts and not getattr(config, "num_experts", 0):
+        raise QuantizationError(
+            f"{mode.name} keeps mixture-of-experts models' experts in {mode.experts}; "
+            f"{arch.name} has no experts (use q4f32_1, or q8f32_0 for 8-bit weights)")
     if prefill_chunk_size:
         config.prefill_chunk_size = int(prefill_chunk_size)
     if context_window_size:

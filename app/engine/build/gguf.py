@@ -162,10 +162,10 @@ _HEAD_TENSORS = ("token_embd.weight", "output.weight")
 
 
 def matrix_types(gf: GGUFFile) -> set[str]:
-    """The GGUF types of the file's weight matrices other than the embedding and output head
-    (e.g. {"Q4_1"} for a llama.cpp Q4_1 file)."""
+    """The GGUF types of the file's weight matrices (MoE experts' stacked ones too) other than
+    the embedding and output head (e.g. {"Q4_1"} for a llama.cpp Q4_1 file)."""
     return {t.type_name for t in gf.tensors.values()
-            if len(t.shape) == 2 and t.name not in _HEAD_TENSORS}
+            if len(t.shape) >= 2 and t.name not in _HEAD_TENSORS}
 
 
 # The CPU mode holding each llama.cpp block type exactly (`quantization.QuantMode.gguf_type`).
@@ -178,12 +178,15 @@ def exact_quantization(path: Path) -> str | None:
     when every one is Q4_0 (llama.cpp's Q4_1 and Q4_0 files; a Q8_0 or Q4_0 embedding / head is
     held exactly too, a Q6_K one to 8 bits), "q4f32_k" when they are Q4_K, or Q4_K and Q6_K as
     in Q4_K_M files (the Q4_K blocks exactly; the Q6_K matrices, a few attn_v and ffn_down,
-    re-quantized to 4 bits), "q8f32_0" when they are Q8_0. The import dequantizes to float32
+    re-quantized to 4 bits), "q8f32_0" when they are Q8_0, "q4f32_mx" when experts are MXFP4
+    (held exactly, Q8_0 matrices too, others to 8 bits). The import dequantizes to float32
     and the mode's quantizer finds each group's block parameters again (`quantization`).
     None otherwise."""
     types = matrix_types(read_gguf(path))
     if "Q4_K" in types and types <= {"Q4_K", "Q6_K"}:
         return "q4f32_k"
+    if "MXFP4" in types:  # gpt-oss: MXFP4 experts, the rest Q8_0 (llama.cpp's MXFP4_MOE)
+        return "q4f32_mx"
     return _EXACT_MODES.get(types.pop()) if len(types) == 1 else None
 
 

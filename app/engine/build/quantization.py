@@ -94,6 +94,7 @@ class QuantMode:
     asymmetric: bool = False  # 4-bit: a min per group as well as a scale (value q * scale + min)
     gguf_type: str = ""  # the llama.cpp block type the mode holds exactly ("Q4_0", "Q4_1", "Q4_K")
     scale_type: str = ""  # the group parameters' type when not the default (`group_dtype`)
+    experts: str = ""  # the MoE experts' format when not the mode's own ("MXFP4")
 
     @property
     def quantized(self) -> bool:
@@ -145,6 +146,7 @@ QUANT_MODES: dict[str, QuantMode] = {
         QuantMode("q4f32_k", 4, "float32", asymmetric=True, gguf_type="Q4_K",
                   scale_type=K_SCALE_DTYPE),
         QuantMode("q8f32_0", 8, "float32", gguf_type="Q8_0"),
+        QuantMode("q4f32_mx", 8, "float32", gguf_type="Q8_0", experts="MXFP4"),
         QuantMode("q8f16_0", 8, "float16", gguf_type="Q8_0"),
     )
 }
@@ -451,6 +453,62 @@ def q4_k_scale_min(params: np.ndarray, groups: int) -> np.ndarray:
     return out.reshape(n, 2 * groups)
 
 
+# FP4 (E2M1) values of the 16 codes, sign in the high bit (OCP microscaling)
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                       -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32)
+_FP4_MAGNITUDES = (6.0, 4.0, 3.0, 2.0, 1.5, 1.0, 0.5)
+_E8M0_BIAS = 127
+
+
+def quantize_mx(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Pack a float [N, K] matrix as MXFP4 into (uint32 words [N, Kp/8] of FP4 codes, uint8 E8M0
+    exponents [N, Kp/32]), value FP4(q) * 2 ** (e - 127), Kp = `padded_k(K)` (zero padding). A
+    group that already is FP4 values times a power of two (an MXFP4 checkpoint's or GGUF's,
+    expanded to float) keeps exactly those values; others get the OCP rule: e from the group's
+    largest magnitude (2 ** (floor(log2 amax) - 2)), each value rounded to the nearest FP4
+    value (ties to the even code), beyond 6 saturated."""
+    n, kp, groups = _groups(weight, 4)
+    flat = groups.reshape(-1, GROUP_SIZE)
+    amax = np.abs(flat).max(axis=-1)
+    if not np.isfinite(amax).all():
+        raise QuantizationError("weights that are not finite cannot be quantized as MXFP4")
+    exps = np.full(flat.shape[0], _E8M0_BIAS, np.int32)  # an all-zero group: scale 1
+    done = amax == 0
+    # exact: amax = t * 2 ** (e - 127) for an FP4 magnitude t, every value then on the grid
+    for t in _FP4_MAGNITUDES:
+        todo = np.flatnonzero(~done)
+        if todo.size == 0:
+            break
+        mant, ex = np.frexp(amax[todo] / np.float32(t))
+        cand = ex.astype(np.int32) - 1 + _E8M0_BIAS  # amax / t = 2 ** (ex - 1) when mant == .5
+        ok = (mant == 0.5) & (cand >= 1) & (cand <= 254)
+        scaled = flat[todo] / np.ldexp(np.float32(1), cand - _E8M0_BIAS)[:, None]
+        ok &= np.isin(scaled, FP4_VALUES).all(axis=-1)
+        exps[todo[ok]] = cand[ok]
+        done[todo[ok]] = True
+    rest = np.flatnonzero(~done)
+    if rest.size:
+        e = np.floor(np.log2(amax[rest])).astype(np.int32) - 2 + _E8M0_BIAS
+        exps[rest] = np.clip(e, 1, 254)
+    scaled = flat / np.ldexp(np.float32(1), exps - _E8M0_BIAS)[:, None]
+    # nearest FP4 magnitude (ties to the even code), sign from the value
+    mags = FP4_VALUES[:8]
+    dist = np.abs(np.abs(scaled)[..., None] - mags)
+    best = dist.argmin(axis=-1)  # argmin takes the first (lower, even-coded) of two ties
+    codes = best + np.where((scaled < 0) & (best > 0), 8, 0)
+    return _pack_nibbles(codes.astype(np.int32).reshape(n, kp)), exps.astype(np.uint8).reshape(
+        n, kp // GROUP_SIZE)
+
+
+def dequantize_mx(words: np.ndarray, exps: np.ndarray, k: int | None = None) -> np.ndarray:
+    """Inverse of `quantize_mx` (float32); `k`: the real reduction size."""
+    n, kw = words.shape
+    codes = _unpack_nibbles(words).reshape(n, -1, GROUP_SIZE)
+    full = np.ldexp(FP4_VALUES[codes], exps.astype(np.int32)[..., None] - _E8M0_BIAS)
+    full = full.astype(np.float32).reshape(n, kw * NIBBLES_PER_WORD)
+    return full if k is None else full[:, :k]
+
+
 def split_scale_min(scale_min: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(scales, mins) [N, G] of an asymmetric weight's side-by-side array [N, 2 G]."""
     return scale_min[:, 0::2], scale_min[:, 1::2]
@@ -533,6 +591,9 @@ def quantize_weight(weight: np.ndarray, mode: QuantMode) -> dict[str, np.ndarray
     """The stored parameters of one 4-bit weight matrix in `mode`, by name suffix: "weight"
     (the packed words) and "scale" (in the asymmetric modes scales and mins side by side). (The
     8-bit embedding and head of the asymmetric modes: `quantize_q8`.)"""
+    if mode.experts == "MXFP4":  # the only 4-bit matrices of that mode: the experts
+        words, exps = quantize_mx(weight)
+        return {"weight": words, "scale": exps}
     if mode.gguf_type == "Q4_K":
         words, scale_min = quantize_q4_k(weight)
         return {"weight": words, "scale": scale_min}

@@ -195,10 +195,10 @@ def moe_gemv(
 ) -> tirx.PrimFunc:
     """y [m, topk, n] = x @ W_e^T per token and slot, e = idx[t, j], W [experts * n, k] stored
     as `quant`: "f" (float of `dtype`), "q4" ((q - 8) * scale), "q4_asym" (float16 scale and
-    min), "q4_k" (q4f32_k's Q4_K super-blocks) or "q8" (int8 q * float16 scale,
-    `quantization.quantize_q8`); `avx512` as `gemv.gemv_q4`'s. `shared`: x is [m, 1, k], one
-    input for every slot (the gate/up projection); otherwise [m, topk, k], each slot its own
-    (the down projection)."""
+    min), "q4_k" (q4f32_k's Q4_K super-blocks), "mxfp4" (FP4 codes, E8M0 exponents) or "q8"
+    (int8 q * float16 scale, `quantization.quantize_q8`); `avx512` as `gemv.gemv_q4`'s.
+    `shared`: x is [m, 1, k], one input for every slot (the gate/up projection); otherwise
+    [m, topk, k], each slot its own (the down projection)."""
     kx = 1 if shared else topk
     if quant == "f":
         body = gemv_f_macro(k, n, dtype)
@@ -209,10 +209,10 @@ def moe_gemv(
         kw, ks, wdt, sdt = padded_k(k), padded_k(k) // GROUP_SIZE, "int8", "float16"
     else:
         asym = {"q4_asym": True, "q4_k": Q4K}.get(quant, False)
-        body = gemv_q4_macro(k, n, dtype, False, avx512, asym)
+        body = gemv_q4_macro(k, n, dtype, False, avx512, asym, mx=quant == "mxfp4")
         kw, kg = padded_k(k) // NIBBLES_PER_WORD, padded_k(k) // GROUP_SIZE
-        ks, sdt = {"q4_asym": (2 * kg, "float16"),
-                   "q4_k": (q4_k_width(kg), K_SCALE_DTYPE)}.get(quant, (kg, dtype))
+        ks, sdt = {"q4_asym": (2 * kg, "float16"), "q4_k": (q4_k_width(kg), K_SCALE_DTYPE),
+                   "mxfp4": (kg, "uint8")}.get(quant, (kg, dtype))
         wdt = "uint32"
 
     @T.macro

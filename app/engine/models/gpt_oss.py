@@ -12,7 +12,7 @@ mixture-of-experts MLPs (`models.moe`) and what OpenAI's models add to it:
 transformers stores the experts transposed, [E, in, out], with each expert's gate and up
 columns interleaved; OpenAI's checkpoints store them in MXFP4 (`*_blocks` of 32 FP4 values,
 `*_scales` of E8M0 exponents, [E, out, in]), which conversion expands to float before our modes
-quantize them.
+quantize them (q4f32_mx finds the same MXFP4 codes and exponents again: held exactly).
 
 llama.cpp's GGUF files (`general.architecture` "gpt-oss", `GGUF`) hold the experts [E, out, in]
 with gate and up apart (`ffn_gate_exps`, `ffn_up_exps`, or one `ffn_gate_up_exps` of the gate
@@ -30,12 +30,9 @@ from typing import Any
 
 import numpy as np
 
+from localchat.engine.build.quantization import FP4_VALUES
 from localchat.engine.models import Architecture, GgufMap, GgufSource, llama, moe
 from localchat.errors import ModelConfigError, UnsupportedModelError
-
-# FP4 (E2M1) values of the 16 codes, sign in the high bit: OCP Microscaling format
-FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                       -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32)
 
 
 def config_from_hf(hf: dict[str, Any]) -> moe.MoeConfig:

@@ -101,13 +101,17 @@ def _dequant_value(
 
 
 def _quantized_params(
-    rows: int, cols: int, mode: QuantMode, head: bool
+    rows: int, cols: int, mode: QuantMode, head: bool, experts: bool = False
 ) -> tuple[nn.Parameter, nn.Parameter]:
-    """(weight, scale) of a quantized [rows, cols] matrix in `mode`: the 8-bit layout in the
-    8-bit modes and for the embedding / LM head (`head`) where the mode has one, else 4-bit
-    (asymmetric: scale and min of each group side by side)."""
+    """(weight, scale) of a quantized [rows, cols] matrix in `mode`: MXFP4 for MoE `experts` in
+    the mode that keeps them so (FP4 codes as 4-bit words, uint8 E8M0 exponents per group), the
+    8-bit layout in the 8-bit modes and for the embedding / LM head (`head`) where the mode has
+    one, else 4-bit (asymmetric: scale and min of each group side by side)."""
     kp = padded_k(cols)
     groups = kp // GROUP_SIZE
+    if experts and mode.experts == "MXFP4":
+        return (nn.Parameter((rows, kp // NIBBLES_PER_WORD), "uint32"),
+                nn.Parameter((rows, groups), "uint8"))
     if mode.bits == 8 or (head and mode.head_bits == 8):
         # the 8-bit layout's scales are float16 in every mode (`quantization.quantize_q8`)
         return nn.Parameter((rows, kp), Q8_DTYPE), nn.Parameter((rows, groups), "float16")
@@ -122,11 +126,12 @@ class Linear(nn.Module):
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, ctx: BuildContext,
-        head: bool = False, panels: bool = False,
+        head: bool = False, panels: bool = False, experts: bool = False,
     ) -> None:
         """`head`: this is the LM head (8-bit in the asymmetric modes); `panels`: a float
         weight is stored as the CPU GEMM reads it (`kernels.gemm.weight_panels`), for layers
-        that only ever run the GEMM (the encoders': no decode GEMV reads rows of it)."""
+        that only ever run the GEMM (the encoders': no decode GEMV reads rows of it);
+        `experts`: a MoE model's stacked expert projections (MXFP4 in q4f32_mx)."""
         self.in_features = in_features
         self.out_features = out_features
         mode = self.mode = ctx.mode
@@ -134,7 +139,8 @@ class Linear(nn.Module):
         self.avx512 = ctx.isa
         self.panels = panels and ctx.cpu and not mode.quantized
         if mode.quantized:
-            self.weight, self.scale = _quantized_params(out_features, in_features, mode, head)
+            self.weight, self.scale = _quantized_params(out_features, in_features, mode, head,
+                                                        experts)
         elif self.panels:
             self.weight = nn.Parameter(
                 (-(-out_features // PANEL_WIDTH), in_features, PANEL_WIDTH), mode.dtype)

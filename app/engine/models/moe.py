@@ -103,8 +103,8 @@ class Experts(nn.Module):
 
     def __init__(self, cfg: MoeConfig, ctx: BuildContext) -> None:
         e, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate_up_proj = Linear(h, e * 2 * f, False, ctx)
-        self.down_proj = Linear(f, e * h, False, ctx)
+        self.gate_up_proj = Linear(h, e * 2 * f, False, ctx, experts=True)
+        self.down_proj = Linear(f, e * h, False, ctx, experts=True)
         self.gate_up_bias = nn.Parameter((e, 2 * f), ctx.dtype) if cfg.expert_bias else None
         self.down_bias = nn.Parameter((e, h), ctx.dtype) if cfg.expert_bias else None
 
@@ -122,7 +122,7 @@ class MoeMLP(nn.Module):
         if ctx.mode.quantized and ctx.mode.bits not in (4, 8):
             raise UnsupportedModelError(f"MoE experts in {ctx.mode.name} are not supported "
                                         f"(float, 4-bit or 8-bit modes)")
-        if not ctx.cpu and ctx.mode.asymmetric:
+        if not ctx.cpu and (ctx.mode.asymmetric or ctx.mode.experts):
             raise UnsupportedModelError(
                 f"mixture-of-experts models in {ctx.mode.name} run on the CPU only (on a GPU: "
                 f"q0f16, q4f16_1, q8f16_0)")
@@ -138,6 +138,8 @@ class MoeMLP(nn.Module):
     def _quant(self) -> str:
         if not self.mode.quantized:
             return "f"
+        if self.mode.experts == "MXFP4":
+            return "mxfp4"
         if self.mode.bits == 8:
             return "q8"
         if self.mode.group_dtype == K_SCALE_DTYPE:
