@@ -1,27 +1,44 @@
-"""Benchmark: a mixture-of-experts model of Qwen3-30B-A3B's dims on the CPU (random weights).
+"""Benchmark: a mixture-of-experts model of Qwen3-30B-A3B's or gpt-oss-20b's dims on the CPU
+(random weights).
 
-    python bench/bench_moe.py [--layers 8] [--quant q4f32_1] [--prompt 128] [--decode 32]
-                              [--experts 128] [--top 8] [--peer Q4_0,Q4_K_M]
+    python bench/bench_moe.py [--shape qwen3-30b-a3b|gpt-oss-20b] [--layers N] [--quant q4f32_1]
+                              [--prompt 128] [--decode 32] [--experts E] [--top K]
+                              [--peer Q4_0,Q4_K_M]
+    python bench/bench_moe.py --shape gpt-oss-20b --layers 4 --peer MXFP4_MOE,Q4_K_M
 
-The model is Qwen3-30B-A3B's shape (hidden 2048, 32/4 heads of 128, 128 experts of width 768,
-8 per token, vocabulary 151 936, untied head) with `--layers` layers (48 in the real model: the
-figures are then for that many layers), random weights written once as an HF folder (float16,
-the experts in transformers 5's fused layout) in the test cache, converted to `--quant` and
+Shapes (`--shape`; `--layers`, `--experts` and `--top` default to the shape's):
+
+* `qwen3-30b-a3b` (default): Qwen3-30B-A3B's shape (hidden 2048, 32/4 heads of 128, 128 experts
+  of width 768, 8 per token, vocabulary 151 936, untied head), 8 layers by default (48 in the
+  real model), the experts in transformers 5's fused layout;
+* `gpt-oss-20b`: gpt-oss-20b's (transformers' `GptOssConfig` with its 20b sizes: hidden 2880,
+  64/8 heads of 64, 32 experts of width 2880, 4 per token, vocabulary 201 088, untied head;
+  attention sinks, q/k/v/o biases, a window of 128 on every other layer from layer 0, a biased
+  router and experts, the SwiGLU clamped at 7, YaRN rope of factor 32 over 4,096 positions,
+  untruncated), 4 layers by default (24 in the real model), the experts in transformers'
+  GptOss layout (gate/up [E, H, 2F] in alternate columns, down [E, F, H], their biases). Its
+  token embedding and head are 580M parameters each, so one layer is already a 4 GB folder.
+
+Both have a context of 4,096 positions (YaRN's frequencies do not depend on it). The random
+weights are written once as an HF folder (float16; gpt-oss one shard a layer) in the test cache,
+converted to `--quant` (any mode conversion knows, e.g. q4f32_1, or q4f32_mx once it exists) and
 compiled. Printed: compile + load time, prefill tok/s on a `--prompt`-token prompt, decode
 tok/s over `--decode` steps (one sequence, then 4 at once), and decode as a fraction of the read
 roofline counting only the bytes a token reads: the attention's and router's weights, the
-`top / experts` share of the experts' (the active ones), the norms and the LM head, against the
-bandwidth of `localchat.engine.membw` sampled before and after. Routing with random weights
-spreads tokens over experts about evenly, as trained routers roughly do.
+`top / experts` share of the experts' (the active ones, their biases too), the norms and the LM
+head, against the bandwidth of `localchat.engine.membw` sampled before and after. Routing with
+random weights spreads tokens over experts about evenly, as trained routers roughly do.
 
-`--peer Q4_0,Q4_K_M` also times llama.cpp on the same weights: the HF folder written as its
-`qwen3moe` GGUF (bench/moe_gguf.py: F16, or Q8_0 where F16 and a 4-bit file would not fit 10 GB
-of disk at once), each type quantized from it by `llama_model_quantize`, each timed in a
-process of its own at 1 and 2 threads (`--peer-threads`) as bench/bench_engine.py times its
-peer: prefill of the same prompt, then greedy decode steps. A table then gives ours and each
-peer row: prefill and decode tok/s and decode against the same roofline (a GGUF's bytes a token
-reads: all but the token embedding, the merged experts' tensors at top / experts), and ours
-against the fastest peer row. The source GGUF is deleted after the last quantization, each
+`--peer Q4_0,Q4_K_M` (for gpt-oss: `MXFP4_MOE,Q4_K_M`, MXFP4_MOE being the type llama.cpp's
+gpt-oss files come in: experts MXFP4, the rest Q8_0; its K-quants fall back to Q5_0 / Q8_0 on
+gpt-oss's 2880-wide rows) also times llama.cpp on the same weights: the HF folder written as its
+`qwen3moe` or `gpt-oss` GGUF (bench/moe_gguf.py: F16, or Q8_0 where F16 and a 4-bit file would
+not fit 10 GB of disk at once), each type quantized from it by `llama_model_quantize`, each
+timed in a process of its own at 1 and 2 threads (`--peer-threads`) as bench/bench_engine.py
+times its peer: prefill of the same prompt, then greedy decode steps. A table then gives ours
+and each peer row: prefill and decode tok/s and decode against the same roofline (a GGUF's bytes
+a token reads: all but the token embedding, the merged experts' tensors at top / experts), and
+ours against the fastest peer row. The source GGUF is deleted after the last quantization, each
 quantized file after its timings, so at most the source and one 4-bit file are on the disk.
 """
 
@@ -45,10 +62,30 @@ SHAPE = {
     "moe_intermediate_size": 768, "intermediate_size": 6144, "vocab_size": 151936,
     "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
 }
+# gpt-oss-20b's config.json as transformers' GptOssConfig writes it (the context 4096 as above;
+# the experts' count, the layers and their layer_types are the benchmark's)
+GPT_OSS_SHAPE = {
+    "hidden_size": 2880, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+    "intermediate_size": 2880, "vocab_size": 201088, "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5, "sliding_window": 128, "attention_bias": True,
+    "swiglu_limit": 7.0, "swiglu_alpha": 1.702,
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                        "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                        "beta_slow": 1.0, "truncate": False},
+}
+# --shape: its config, name, real depth and routing; the benchmark's default depth
+SHAPES = {
+    "qwen3-30b-a3b": {"config": SHAPE, "name": "Qwen3-30B-A3B", "real_layers": 48,
+                      "experts": 128, "top": 8, "layers": 8},
+    "gpt-oss-20b": {"config": GPT_OSS_SHAPE, "name": "gpt-oss-20b", "real_layers": 24,
+                    "experts": 32, "top": 4, "layers": 4},
+}
 
 
-def source(layers: int, experts: int, top: int) -> Path:
-    """The random HF folder (written once into the test cache)."""
+def source(layers: int, experts: int, top: int, shape: str = "qwen3-30b-a3b") -> Path:
+    """The random HF folder of `shape` (written once into the test cache)."""
+    if shape == "gpt-oss-20b":
+        return gpt_oss_source(layers, experts, top)
     from disk_guard import require_free
     from safetensors.numpy import save_file
 
@@ -94,6 +131,75 @@ def source(layers: int, experts: int, top: int) -> Path:
     return out
 
 
+def gpt_oss_source(layers: int, experts: int, top: int) -> Path:
+    """gpt-oss-20b's random HF folder (written once into the test cache): transformers' GptOss
+    tensors and config.json, one safetensors shard for the embedding, head and final norm and
+    one a layer (each written before the next is drawn)."""
+    from disk_guard import require_free
+    from safetensors.numpy import save_file
+
+    from fixtures import cache_dir
+
+    cfg = GPT_OSS_SHAPE
+    out = cache_dir() / "bench" / f"gpt-oss-20b-shape-{layers}l-{experts}e-{top}k"
+    if (out / "config.json").exists():
+        return out
+    h, f, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    nq, nkv, vocab = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]
+    params = 2 * vocab * h + layers * (2 * (nq + nkv) * d * h + 3 * experts * f * h)
+    # the float16 folder and its 4-bit conversion beside it
+    require_free(out.parent, int(params * 2 * 1.4), "the gpt-oss MoE benchmark model")
+    shutil.rmtree(out, ignore_errors=True)  # a half-written folder of an interrupted run
+    out.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+
+    def rand(*shape: int, scale: float = 0.02) -> np.ndarray:
+        return (rng.standard_normal(shape, dtype=np.float32) * scale).astype(np.float16)
+
+    weight_map = {}
+
+    def save(index: int, tensors: dict[str, np.ndarray]) -> None:
+        shard = f"model-{index + 1:05d}-of-{layers + 1:05d}.safetensors"
+        save_file(tensors, str(out / shard), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, shard))
+
+    save(0, {"model.embed_tokens.weight": rand(vocab, h), "lm_head.weight": rand(vocab, h),
+             "model.norm.weight": np.ones(h, np.float16)})
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        save(i + 1, {
+            p + "input_layernorm.weight": np.ones(h, np.float16),
+            p + "post_attention_layernorm.weight": np.ones(h, np.float16),
+            p + "self_attn.q_proj.weight": rand(nq * d, h),
+            p + "self_attn.q_proj.bias": rand(nq * d),
+            p + "self_attn.k_proj.weight": rand(nkv * d, h),
+            p + "self_attn.k_proj.bias": rand(nkv * d),
+            p + "self_attn.v_proj.weight": rand(nkv * d, h),
+            p + "self_attn.v_proj.bias": rand(nkv * d),
+            p + "self_attn.o_proj.weight": rand(h, nq * d),
+            p + "self_attn.o_proj.bias": rand(h),
+            p + "self_attn.sinks": rand(nq, scale=1.0),
+            p + "mlp.router.weight": rand(experts, h, scale=0.5),
+            p + "mlp.router.bias": rand(experts, scale=0.1),
+            # [E, in, out]; gate_up's gate at even columns, up at odd
+            p + "mlp.experts.gate_up_proj": rand(experts, h, 2 * f),
+            p + "mlp.experts.gate_up_proj_bias": rand(experts, 2 * f),
+            p + "mlp.experts.down_proj": rand(experts, f, h),
+            p + "mlp.experts.down_proj_bias": rand(experts, h),
+        })
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": sum(p.stat().st_size for p in out.glob("*.safetensors"))},
+         "weight_map": weight_map}, indent=2))
+    types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    config = {**cfg, "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+              "num_hidden_layers": layers, "num_local_experts": experts,
+              "num_experts_per_tok": top, "layer_types": types, "hidden_act": "silu",
+              "tie_word_embeddings": False, "dtype": "float16", "bos_token_id": 1,
+              "eos_token_id": 2, "pad_token_id": 0}
+    (out / "config.json").write_text(json.dumps(config, indent=2))  # last: the folder is whole
+    return out
+
+
 def active_bytes(model_dir: Path, experts: int, top: int) -> int:
     """Weight bytes one decode step reads: all but the embedding table, experts at top/experts."""
     records = json.loads((model_dir / "tensor-cache.json").read_text())["records"]
@@ -107,17 +213,17 @@ def active_bytes(model_dir: Path, experts: int, top: int) -> int:
     return int(total)
 
 
-def prompt_ids(n: int) -> list[int]:
+def prompt_ids(n: int, vocab: int = SHAPE["vocab_size"]) -> list[int]:
     """The benchmark's `n`-token prompt (random ids, the same for ours and the peer)."""
     rng = np.random.default_rng(1)
-    return [int(t) for t in rng.integers(3, SHAPE["vocab_size"], n)]
+    return [int(t) for t in rng.integers(3, vocab, n)]
 
 
-def peer_child(path: Path, threads: int, prompt: int, decode: int) -> dict:
+def peer_child(path: Path, threads: int, prompt: int, decode: int, shape: str) -> dict:
     """llama.cpp's timing of `path` at `threads` threads, in a process of its own."""
     out = subprocess.run(
         [sys.executable, __file__, "--peer-child", str(path), "--peer-threads", str(threads),
-         "--prompt", str(prompt), "--decode", str(decode)],
+         "--prompt", str(prompt), "--decode", str(decode), "--shape", shape],
         capture_output=True, text=True, env=dict(os.environ, TVM_NUM_THREADS=str(threads)))
     if out.returncode != 0:
         raise SystemExit(f"llama.cpp on {path.name} ({threads} threads) failed:\n"
@@ -153,7 +259,7 @@ def run_peers(src: Path, args: argparse.Namespace, probe) -> list[dict]:
             for threads in (int(n) for n in args.peer_threads.split(",")):
                 before = probe.sample()
                 probe.release()  # not resident while the peer runs
-                r = peer_child(path, threads, args.prompt, args.decode)
+                r = peer_child(path, threads, args.prompt, args.decode, args.shape)
                 r.update(name=f"llama.cpp {qtype}", threads=threads, bytes_per_token=per_token,
                          bw=max(before, probe.sample()))
                 probe.release()
@@ -186,22 +292,30 @@ def print_table(rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--experts", type=int, default=128)
-    parser.add_argument("--top", type=int, default=8)
-    parser.add_argument("--quant", default="q4f32_1")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
+    parser.add_argument("--layers", type=int, default=None, help="default: the shape's (8, 4)")
+    parser.add_argument("--experts", type=int, default=None, help="default: the shape's")
+    parser.add_argument("--top", type=int, default=None, help="default: the shape's")
+    parser.add_argument("--quant", default="q4f32_1",
+                        help="our quantization mode, e.g. q4f32_1 (or q4f32_mx)")
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--peer", default=None,
-                        help="llama.cpp's quantizations to time beside ours, e.g. Q4_0,Q4_K_M")
+                        help="llama.cpp's quantizations to time beside ours, e.g. Q4_0,Q4_K_M "
+                        "(gpt-oss: MXFP4_MOE,Q4_K_M)")
     parser.add_argument("--peer-threads", default="1,2", help="llama.cpp's thread counts")
     parser.add_argument("--peer-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    shape = SHAPES[args.shape]
+    for key in ("layers", "experts", "top"):
+        if getattr(args, key) is None:
+            setattr(args, key, shape[key])
+    vocab = shape["config"]["vocab_size"]
     if args.peer_child:  # one llama.cpp timing (run by peer_child)
         import moe_gguf
 
         result = moe_gguf.run_peer(Path(args.peer_child), int(args.peer_threads),
-                                   prompt_ids(args.prompt), args.decode)
+                                   prompt_ids(args.prompt, vocab), args.decode)
         print(json.dumps(result))
         return
 
@@ -210,7 +324,7 @@ def main() -> None:
 
     from fixtures import converted
 
-    src = source(args.layers, args.experts, args.top)
+    src = source(args.layers, args.experts, args.top, args.shape)
     t0 = time.perf_counter()
     model_dir = converted(src, args.quant)
     model = Model(model_dir, "cpu")
@@ -218,7 +332,7 @@ def main() -> None:
     probe = ReadBandwidth()
     bw_before = probe.sample()
     probe.release()
-    prompt = prompt_ids(args.prompt)
+    prompt = prompt_ids(args.prompt, vocab)
 
     seq = model.new_sequence()
     model.prefill(seq, prompt[:8])  # warm-up (first-call allocations)
@@ -245,8 +359,8 @@ def main() -> None:
     bw_after = probe.sample()
     bw = max(bw_before, bw_after)
     per_token = active_bytes(model_dir, args.experts, args.top)
-    print(f"Qwen3-30B-A3B shape, {args.layers} of 48 layers, {args.experts} experts, top "
-          f"{args.top}, {args.quant}, random weights")
+    print(f"{shape['name']} shape, {args.layers} of {shape['real_layers']} layers, "
+          f"{args.experts} experts, top {args.top}, {args.quant}, random weights")
     print(f"  compile+convert+load   {ready:8.1f} s (cached after the first run)")
     print(f"  prefill ({args.prompt} tokens)  {prefill:8.1f} tok/s")
     print(f"  decode (1 sequence)    {decode:8.2f} tok/s")
