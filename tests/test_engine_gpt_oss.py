@@ -259,3 +259,24 @@ def test_q4f32_mx_holds_an_mxfp4_checkpoints_experts_exactly() -> None:
     ours = Model(converted(ckpt, "q4f32_mx"), "cpu")
     seq = ours.new_sequence()
     assert np.isfinite(ours.prefill(seq, PROMPT)).all()
+
+
+def test_convert_defaults_an_mxfp4_checkpoint_to_q4f32_mx(tmp_path: Path) -> None:
+    """`localchat convert` of OpenAI's MXFP4 layout (no --quant) on the CPU picks q4f32_mx and
+    says why."""
+    import subprocess
+    import sys
+
+    ckpt = mxfp4_checkpoint()
+    folder = tmp_path / "src"
+    shutil.copytree(ckpt, folder)
+    from hub_server import tiny_tokenizer_json
+
+    (folder / "tokenizer.json").write_bytes(tiny_tokenizer_json())
+    proc = subprocess.run([sys.executable, "-m", "localchat.cli", "convert", str(folder), "-o",
+                           str(tmp_path / "out"), "--device", "cpu", "--no-compile"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "q4f32_mx: it holds the MXFP4 experts exactly" in proc.stderr + proc.stdout
+    config = json.loads((tmp_path / "out" / "localchat-config.json").read_text())
+    assert config["quantization"] == "q4f32_mx"

@@ -18,9 +18,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     # the modes are spelled out rather than read from the engine: --help stays import-free
     p.add_argument("--quant", default=None,
                    help="q0f32, q0f16, q4f32_1, q4f16_1, q4f32_asym, q4f16_asym, q4f32_0, "
-                   "q4f16_0, q4f32_k, q8f32_0 or q8f16_0 (default: q4f32_1; for a .gguf of "
-                   "Q4_1, Q4_0, Q4_K(_M) or Q8_0 on the CPU q4f32_asym, q4f32_0, q4f32_k or "
-                   "q8f32_0, which hold its blocks exactly)")
+                   "q4f16_0, q4f32_k, q8f32_0, q8f16_0 or q4f32_mx (MoE models: MXFP4 experts) "
+                   "(default: q4f32_1; on the CPU, for a .gguf of Q4_1, Q4_0, Q4_K(_M), Q8_0 or "
+                   "MXFP4 experts, or a folder of MXFP4 experts, q4f32_asym, q4f32_0, q4f32_k, "
+                   "q8f32_0 or q4f32_mx, which hold its blocks exactly)")
     p.add_argument("--output", "-o", required=True, help="model directory to create")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, metal or vulkan; "
                    "cuda:sm_90 (any sm_NN) compiles for a GPU on another machine, to copy the "
@@ -51,18 +52,24 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if md.is_model_dir(output) and not args.force:
         raise LocalchatError(f"{output} is already a model directory; add --force to replace it")
     quant = args.quant
+
+    def device_kind() -> str:
+        from localchat.engine import select_device
+
+        return args.device.partition(":")[0] if ":" in args.device else \
+            select_device(args.device).kind
+
     if is_gguf(source):
         inspect_gguf(source)  # a file that cannot be imported fails on that first
         if quant is None:
-            from localchat.engine import select_device
-
-            kind = args.device.partition(":")[0] if ":" in args.device else \
-                select_device(args.device).kind
-            quant = gguf_default_quantization(source, kind)
+            quant = gguf_default_quantization(source, device_kind())
     elif source.is_file() and source.suffix.lower() == ".pth":
         pass  # a BlinkDL RWKV checkpoint: its version is told (or refused) by convert_source
     else:
-        read_hf_config(source)  # a folder that is no model fails on that first
+        hf = read_hf_config(source)  # a folder that is no model fails on that first
+        method = (hf.get("quantization_config") or {}).get("quant_method")
+        if quant is None and method == "mxfp4" and device_kind() == "cpu":
+            quant = "q4f32_mx"  # OpenAI's MXFP4 experts (gpt-oss), held as they are
         if not has_tokenizer(source):
             raise LocalchatError(f"{source} has no tokenizer (tokenizer.json, tokenizer.model "
                                  f"or the RWKV World vocabulary); `localchat run` needs one")
@@ -72,7 +79,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     elsewhere = cross_compile_device(args.device)  # cuda:sm_90: for a GPU not on this machine
     if args.quant is None and quant != "q4f32_1":
-        log(f"quantization {quant}: it holds this file's weights exactly")
+        what = "the MXFP4 experts" if quant == "q4f32_mx" else "this file's weights"
+        log(f"quantization {quant}: it holds {what} exactly")
     out = convert_source(
         source,
         output,
