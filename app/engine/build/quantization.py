@@ -460,6 +460,9 @@ _FP4_MAGNITUDES = (6.0, 4.0, 3.0, 2.0, 1.5, 1.0, 0.5)
 _E8M0_BIAS = 127
 
 
+_MX_CHUNK = 1 << 18  # groups of 32 quantized at a time: bounds the temporaries (~32 MB each)
+
+
 def quantize_mx(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Pack a float [N, K] matrix as MXFP4 into (uint32 words [N, Kp/8] of FP4 codes, uint8 E8M0
     exponents [N, Kp/32]), value FP4(q) * 2 ** (e - 127), Kp = `padded_k(K)` (zero padding). A
@@ -469,6 +472,21 @@ def quantize_mx(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     value (ties to the even code), beyond 6 saturated."""
     n, kp, groups = _groups(weight, 4)
     flat = groups.reshape(-1, GROUP_SIZE)
+    codes = np.empty(flat.shape, np.uint8)
+    exps = np.empty(flat.shape[0], np.uint8)
+    for start in range(0, flat.shape[0], _MX_CHUNK):
+        part = slice(start, start + _MX_CHUNK)
+        codes[part], exps[part] = _mx_groups(flat[part])
+    return _pack_nibbles(codes.reshape(n, kp)), exps.reshape(n, kp // GROUP_SIZE)
+
+
+# the midpoints between consecutive FP4 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6
+_FP4_MIDPOINTS = ((FP4_VALUES[:7] + FP4_VALUES[1:8]) / 2).astype(np.float32)
+
+
+def _mx_groups(flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(codes [M, 32] uint8, E8M0 exponents [M] uint8) of float32 groups [M, 32]
+    (`quantize_mx`)."""
     amax = np.abs(flat).max(axis=-1)
     if not np.isfinite(amax).all():
         raise QuantizationError("weights that are not finite cannot be quantized as MXFP4")
@@ -482,22 +500,26 @@ def quantize_mx(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         mant, ex = np.frexp(amax[todo] / np.float32(t))
         cand = ex.astype(np.int32) - 1 + _E8M0_BIAS  # amax / t = 2 ** (ex - 1) when mant == .5
         ok = (mant == 0.5) & (cand >= 1) & (cand <= 254)
+        todo, cand = todo[ok], cand[ok]
+        if todo.size == 0:
+            continue
         scaled = flat[todo] / np.ldexp(np.float32(1), cand - _E8M0_BIAS)[:, None]
-        ok &= np.isin(scaled, FP4_VALUES).all(axis=-1)
-        exps[todo[ok]] = cand[ok]
-        done[todo[ok]] = True
+        hit = np.isin(scaled, FP4_VALUES).all(axis=-1)
+        exps[todo[hit]] = cand[hit]
+        done[todo[hit]] = True
     rest = np.flatnonzero(~done)
     if rest.size:
         e = np.floor(np.log2(amax[rest])).astype(np.int32) - 2 + _E8M0_BIAS
         exps[rest] = np.clip(e, 1, 254)
     scaled = flat / np.ldexp(np.float32(1), exps - _E8M0_BIAS)[:, None]
-    # nearest FP4 magnitude (ties to the even code), sign from the value
-    mags = FP4_VALUES[:8]
-    dist = np.abs(np.abs(scaled)[..., None] - mags)
-    best = dist.argmin(axis=-1)  # argmin takes the first (lower, even-coded) of two ties
+    mag = np.abs(scaled)
+    # nearest FP4 magnitude; at a midpoint (a tie) the even code, as round-to-nearest-even
+    best = np.searchsorted(_FP4_MIDPOINTS, mag, side="left")
+    tie = (best < 7) & (best % 2 == 1)
+    tie[tie] = mag[tie] == _FP4_MIDPOINTS[np.minimum(best[tie], 6)]
+    best = best + tie
     codes = best + np.where((scaled < 0) & (best > 0), 8, 0)
-    return _pack_nibbles(codes.astype(np.int32).reshape(n, kp)), exps.astype(np.uint8).reshape(
-        n, kp // GROUP_SIZE)
+    return codes.astype(np.uint8), exps.astype(np.uint8)
 
 
 def dequantize_mx(words: np.ndarray, exps: np.ndarray, k: int | None = None) -> np.ndarray:
