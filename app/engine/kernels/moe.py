@@ -223,6 +223,16 @@ def moe_gemv(
             pos[i] = T.int64(0)
 
     @T.macro
+    def tail(xg, yg, we, se, cnt, size):
+        """The block of `size` rows after the whole blocks of 2 `size` (BLOCK for 4), if the
+        count has one."""
+        if cnt[0] % (2 * size) >= size:
+            row = T.meta_var(cnt[0] - cnt[0] % (2 * size))
+            xt = T.decl_buffer((size, k), dtype, data=xg.data, elem_offset=row * k)
+            yt = T.decl_buffer((size, n), dtype, data=yg.data, elem_offset=row * n)
+            body(xt, we, se, None, yt, size)
+
+    @T.macro
     def group(x, w, s, idx, y, xg, yg, pos, cnt, m, e):
         """Gather expert e's rows, run the GEMV body on them, scatter the results."""
         cnt[0] = T.int64(0)
@@ -238,17 +248,17 @@ def moe_gemv(
                 se = T.meta_var(None)
             else:
                 se = T.decl_buffer((n, ks), sdt, data=s.data, elem_offset=e * (n * ks))
-            # Blocks of BLOCK rows, then single rows: the GEMV bodies allocate by their row
-            # count, which TVM needs constant here (a count read from memory fails to lower)
+            # Blocks of BLOCK rows, then one block each of 4, 2 and 1 for the rest (each block
+            # reads the expert's weights once; a row's arithmetic is the same in any block):
+            # the GEMV bodies allocate by their row count, which TVM needs constant here (a
+            # count read from memory fails to lower)
             for blk in range(cnt[0] // BLOCK):
                 xb = T.decl_buffer((BLOCK, k), dtype, data=xg.data, elem_offset=blk * (BLOCK * k))
                 yb = T.decl_buffer((BLOCK, n), dtype, data=yg.data, elem_offset=blk * (BLOCK * n))
                 body(xb, we, se, None, yb, BLOCK)
-            for r in range(cnt[0] % BLOCK):
-                row = T.meta_var(cnt[0] // BLOCK * BLOCK + r)
-                x1 = T.decl_buffer((1, k), dtype, data=xg.data, elem_offset=row * k)
-                y1 = T.decl_buffer((1, n), dtype, data=yg.data, elem_offset=row * n)
-                body(x1, we, se, None, y1, 1)
+            tail(xg, yg, we, se, cnt, 4)
+            tail(xg, yg, we, se, cnt, 2)
+            tail(xg, yg, we, se, cnt, 1)
             for r in range(cnt[0]):
                 for c in range(n):
                     y[pos[r] // topk, pos[r] % topk, c] = yg[r, c]
