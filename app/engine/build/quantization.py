@@ -393,6 +393,7 @@ def quantize_q4_k(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     blocks = np.zeros((n, nsb * SUPER_GROUPS, GROUP_SIZE), np.float32)
     blocks[:, :kg] = groups
     flat = blocks.reshape(-1, GROUP_SIZE)
+    supers_of = blocks.reshape(-1, SUPER_GROUPS, GROUP_SIZE)  # [super-blocks, 8, 32]
     scale, low, exact = _q4_k_groups(flat)
     scale, low = scale.reshape(-1, SUPER_GROUPS), low.reshape(-1, SUPER_GROUPS)
     whole = exact.reshape(-1, SUPER_GROUPS).all(axis=-1)
@@ -400,7 +401,7 @@ def quantize_q4_k(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     dmin, m_ok = _six_bit_factor(-low, whole)
     for b in np.flatnonzero(whole & d_ok & ~m_ok):
         # a group whose smallest value is not at q = 0: its min is dmin * m below that value
-        found = _shifted_mins(blocks.reshape(-1, SUPER_GROUPS, GROUP_SIZE)[b], scale[b], low[b])
+        found = _shifted_mins(supers_of[b], scale[b], low[b])
         if found is not None:
             dmin[b], low[b] = found
             m_ok[b] = True
@@ -408,7 +409,7 @@ def quantize_q4_k(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     # the others as llama.cpp's simple Q4_K quantizer: mins <= 0, 6-bit scales and mins
     free = ~held
     lo = np.minimum(low[free], 0)
-    hi = blocks.reshape(-1, SUPER_GROUPS, GROUP_SIZE)[free].max(axis=-1)
+    hi = supers_of[free].max(axis=-1)
     sc_f = (hi - lo) / np.float32(15)
     with np.errstate(over="ignore"):
         d[free] = (sc_f.max(axis=-1) / np.float32(SUPER_MAX)).astype(np.float16)
@@ -427,8 +428,7 @@ def quantize_q4_k(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     s_eff = sc * d32[:, None]  # exact in float32, as the kernels compute them
     min_eff = -(m * dmin32[:, None])
     safe = np.where(s_eff == 0, np.float32(1), s_eff)
-    q = np.rint((blocks.reshape(-1, SUPER_GROUPS, GROUP_SIZE) - min_eff[..., None])
-                / safe[..., None])
+    q = np.rint((supers_of - min_eff[..., None]) / safe[..., None])
     q = np.clip(q, 0, 15).astype(np.int32).reshape(n, nsb * SUPER_GROUPS * GROUP_SIZE)[:, :kp]
     params = np.empty((n, q4_k_width(kg)), np.uint8)
     sc_m = np.stack([sc, m], axis=-1).reshape(n, nsb * SUPER_GROUPS * 2)

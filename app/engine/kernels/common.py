@@ -23,6 +23,7 @@ from localchat.engine.build.quantization import (
     NIBBLES_PER_WORD,
     SUPER_GROUPS,
     padded_k,
+    q4_k_width,
 )
 
 __all__ = [
@@ -39,6 +40,8 @@ __all__ = [
     "NIBBLES_PER_WORD",
     "SCHEDULED_ATTRS",
     "WORDS_PER_GROUP",
+    "asym_layout",
+    "asym_width",
     "divisor",
     "e8m0",
     "exp2",
@@ -93,6 +96,17 @@ def _super_param(s, row, kg: int, g, which: int):
     )
     value = T.Cast("float32", T.reinterpret("float16", bits))
     return value if which == 0 else T.float32(0) - value
+
+
+def asym_layout(scale_dtype: str | None):
+    """The kernels' `asym` layout for an asymmetric weight whose group parameters have
+    `scale_dtype`: Q4K for q4f32_k's bytes, else True (scale and min side by side)."""
+    return Q4K if scale_dtype == K_SCALE_DTYPE else True
+
+
+def asym_width(layout, kg: int) -> int:
+    """The length of a row of an asymmetric weight's group parameters for kg groups."""
+    return q4_k_width(kg) if layout == Q4K else 2 * kg
 
 
 def group_param(s, row, g, which: int, asym, kg: int):

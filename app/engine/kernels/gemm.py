@@ -35,12 +35,11 @@ import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
-from localchat.engine.build.quantization import q4_k_width
 from localchat.engine.kernels.common import (
     GROUP_SIZE,
-    K_SCALE_DTYPE,
     NIBBLES_PER_WORD,
-    Q4K,
+    asym_layout,
+    asym_width,
     group_param,
     padded_k,
     scheduled,
@@ -139,7 +138,7 @@ def _gemm(
             return T.Cast(F32, _nibble(w, j, kk) - 8) * T.Cast(F32, s[j, kk // GROUP_SIZE])
 
     else:
-        layout = Q4K if scale_dtype == K_SCALE_DTYPE else True
+        layout = asym_layout(scale_dtype)
 
         def value(w, s, j, kk):
             g = kk // GROUP_SIZE
@@ -278,7 +277,7 @@ def _gemm(
                      (nblocks - 1) * nb, last, last_used)
 
     asym = kind == "q4_asym"
-    ks = (q4_k_width(kg) if scale_dtype == K_SCALE_DTYPE else 2 * kg) if asym else kg
+    ks = asym_width(asym_layout(scale_dtype), kg) if asym else kg
     sdt = scale_dtype or ("float16" if asym else dtype)  # q4f32_k: uint8 (`K_SCALE_DTYPE`)
     quantized = kind not in ("float", "panels")
     if quantized and bias:

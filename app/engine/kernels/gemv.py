@@ -58,17 +58,16 @@ import functools
 from tvm import tirx
 from tvm.script import tirx as T
 
-from localchat.engine.build.quantization import q4_k_width
 from localchat.engine.kernels.common import (
     FP4_DOUBLED,
     GROUP_SIZE,
     INT8_ISAS,
-    K_SCALE_DTYPE,
     LANES,
     MX,
     NIBBLES_PER_WORD,
-    Q4K,
     WORDS_PER_GROUP,
+    asym_layout,
+    asym_width,
     divisor,
     e8m0,
     group_param,
@@ -113,21 +112,15 @@ def _nibble_dot(w, xp, row, r, word, centered: bool = False, mx: bool = False):
     return total
 
 
-def _group_index(group, stride: int, offset: int):
-    """Where group `group`'s parameter sits in a row of s: group (symmetric scales), or 2 group
-    (asymmetric scale) and 2 group + 1 (its min)."""
-    return group if stride == 1 and offset == 0 else group * stride + offset
-
-
 def _param(s, row, group, stride: int, offset: int, layout=True, kg: int = 0):
-    """Group `group`'s parameter as float32: s[row, `_group_index`] (symmetric scale), or with
-    `stride` 2 the asymmetric scale (offset 0) or min (1) in `layout` (`common.group_param`'s
-    `asym`: True, or Q4K with kg groups per row; MX: the symmetric scale is an E8M0 exponent)."""
+    """Group `group`'s parameter as float32: s[row, group] (symmetric scale; MX: an E8M0
+    exponent), or with `stride` 2 the asymmetric scale (offset 0) or min (1) in `layout`
+    (`common.group_param`'s `asym`: True, or Q4K with kg groups per row)."""
     if stride == 2:
         return group_param(s, row, group, offset, layout, kg)
     if layout == MX:
         return e8m0(s[row, group])
-    return T.Cast(F32, s[row, _group_index(group, stride, offset)])
+    return T.Cast(F32, s[row, group])
 
 
 def _lane_scale(s, row, group0, e, groups: int = GROUPS_PER_VEC, stride: int = 1, offset: int = 0,
@@ -805,11 +798,11 @@ def gemv_q4(
     (k = 512: 34 vs 24 us, Zen 4, 2 threads)."""
     kw, kg = padded_k(k) // NIBBLES_PER_WORD, padded_k(k) // GROUP_SIZE
     # the group parameters
-    ks, sdt = (2 * kg, scale_dtype or "float16") if asym else (kg, scale_dtype or dtype)
-    if asym and scale_dtype == K_SCALE_DTYPE:
-        asym, ks = Q4K, q4_k_width(kg)
-    if mx:
-        sdt = "uint8"
+    if asym:
+        asym = asym_layout(scale_dtype)
+        ks, sdt = asym_width(asym, kg), scale_dtype or "float16"
+    else:
+        ks, sdt = kg, "uint8" if mx else scale_dtype or dtype
     body = gemv_q4_macro(k, n, dtype, bias, avx512, asym, mx)
 
     if bias:

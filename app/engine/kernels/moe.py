@@ -30,7 +30,6 @@ import functools
 from tvm import tirx
 from tvm.script import tirx as T
 
-from localchat.engine.build.quantization import q4_k_width
 from localchat.engine.kernels.common import (
     GROUP_SIZE,
     INT8_ISAS,
@@ -38,6 +37,7 @@ from localchat.engine.kernels.common import (
     LANES,
     NIBBLES_PER_WORD,
     Q4K,
+    asym_width,
     divisor,
     padded_k,
     scheduled,
@@ -211,7 +211,7 @@ def moe_gemv(
         asym = {"q4_asym": True, "q4_k": Q4K}.get(quant, False)
         body = gemv_q4_macro(k, n, dtype, False, avx512, asym, mx=quant == "mxfp4")
         kw, kg = padded_k(k) // NIBBLES_PER_WORD, padded_k(k) // GROUP_SIZE
-        ks, sdt = {"q4_asym": (2 * kg, "float16"), "q4_k": (q4_k_width(kg), K_SCALE_DTYPE),
+        ks, sdt = {"q4_asym": (2 * kg, "float16"), "q4_k": (asym_width(Q4K, kg), K_SCALE_DTYPE),
                    "mxfp4": (kg, "uint8")}.get(quant, (kg, dtype))
         wdt = "uint32"
 

@@ -35,16 +35,10 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 from tvm.target import Target
 
-from localchat.engine.build.quantization import (
-    GROUP_SIZE,
-    K_SCALE_DTYPE,
-    NIBBLES_PER_WORD,
-    QuantMode,
-    padded_k,
-)
+from localchat.engine.build.quantization import GROUP_SIZE, NIBBLES_PER_WORD, QuantMode, padded_k
 from localchat.engine.kernels import elementwise, matmul
 from localchat.engine.kernels import gemv as gemv_kernels
-from localchat.engine.kernels.common import Q4K, gemv_isa, group_param, wide_registers
+from localchat.engine.kernels.common import asym_layout, gemv_isa, group_param, wide_registers
 from localchat.engine.kernels.gemm import NR as PANEL_WIDTH
 
 Q8_DTYPE = "int8"  # the 8-bit layout's weight dtype (the 4-bit one's is uint32 words)
@@ -91,7 +85,7 @@ def _dequant_value(
     shift = ((col % NIBBLES_PER_WORD) * 4).astype("uint32")
     nibble = tirx.bitwise_and(tirx.shift_right(word, shift), tirx.const(15, "uint32"))
     if asym:
-        layout = Q4K if scale.dtype == K_SCALE_DTYPE else True
+        layout = asym_layout(scale.dtype)
         kg = (words.shape[1] * NIBBLES_PER_WORD) // GROUP_SIZE
         value = nibble.astype("float32") * group_param(scale, row, group, 0, layout, kg) + \
             group_param(scale, row, group, 1, layout, kg)
