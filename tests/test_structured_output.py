@@ -371,7 +371,7 @@ def test_world_tokenizer_json_schema_reply_validates() -> None:
     with Engine(model, config=GenerationConfig(temperature=0.0)) as world:
         assert type(world.tokenizer).__name__ == "WorldTokenizer"
         replies = [world.chat([{"role": "user", "content": "JSON please"}],
-                              response_format=schema_format(schema), max_tokens=60, seed=i,
+                              response_format=schema_format(schema), max_tokens=240, seed=i,
                               temperature=0.8 if i else 0.0).result() for i in range(3)]
     for reply in replies:
         assert reply.finish_reason == "stop", reply.text

@@ -46,9 +46,13 @@ FORMAT_TYPES = ("text", "json_object", "json_schema", "grammar", "structural_tag
 PARAM = "response_format"
 CACHE_SIZE = 64  # compiled grammars kept per engine
 JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}  # JSON mode: any object, as OpenAI's
-# How JSON is laid out: one space after "," and ":", none elsewhere (as json.dumps writes it);
-# keywords llguidance does not implement are ignored rather than refused.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
+# Whitespace between JSON tokens as llama.cpp's grammars allow it: none, a space, or a line break
+# or two and an indent of up to 20. Models write JSON pretty-printed; forbidding the line break
+# they want after "{" pushes a small model off its course (keys of escape characters, numbers
+# whose digits never end), and unbounded whitespace could run on by itself. Keywords llguidance
+# does not implement are ignored rather than refused.
+JSON_WHITESPACE = r"(?: |\n{1,2}[ \t]{0,20})?"
+JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": JSON_WHITESPACE,
                 "lenient": True}
 _LARK_START = re.compile(r"(?m)^\s*(%llguidance\b|start\s*:(?!:))")  # GBNF's is "::="
 # Lines of llguidance's error messages that only point into the grammar text.
