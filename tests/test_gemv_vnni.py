@@ -73,6 +73,9 @@ def _run(lib, args, m: int, n: int) -> np.ndarray:
         (1000, 8, True),  # k % 32 = 8: a padded last group, in a partial unit
         (344, 12, False),  # no unit of 16 at all
         (9, 7, True),  # less than one group
+        # k > LONG_CHUNKED_K: 16 rows walk the reduction in chunks (of 4 units, AVX2 8), then
+        # a unit of 4 and a padded partial one; 1 and 3 rows do not, with the same bits
+        (4776, 16, True),
     ],
 )
 @pytest.mark.parametrize("isa", ISAS)

@@ -265,6 +265,25 @@ def test_int8_kernels_in_tiles_of_w_for_many_rows(isa: str) -> None:
            exact_x=_quantize_x(x, padded_k(k)), rows=(1, 8, 19))
 
 
+@pytest.mark.parametrize("isa", ["vnni", "avx2"])
+def test_int8_kernels_chunk_a_long_reduction_for_many_rows(isa: str) -> None:
+    """Past `LONG_CHUNKED_K` the tiled form walks the reduction in chunks, carrying each
+    accumulator between them: a row's bits are still the same alone, in a block and tiled."""
+    from test_gemv_vnni import _quantize_x, _target
+
+    from localchat.engine.kernels import gemv
+
+    _target(isa)  # skips where the CPU lacks `isa`
+    k, n = 4776, 16  # 9 units of 16 (AVX2: 18 of 8) in chunks, a unit of 4, a padded part
+    assert k > gemv.LONG_CHUNKED_K
+    rng, q4, dense4, _, _ = _dense_asym(k, n, 11)
+    lib = _compile({"asym": gemv.gemv_q4(k, n, "float32", isa, True, asym=True)})
+    x = rng.standard_normal((19, k), dtype=np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    _check(lib, {"asym": (q4, dense4)}, x, b, n, 2e-6, exact_x=_quantize_x(x, padded_k(k)),
+           rows=(1, 8, 19))
+
+
 def test_float16_activations() -> None:
     """q4f16_asym (the kernels this CPU runs): x, bias and y in float16; scales and mins are
     float16 as in q4f32_asym."""

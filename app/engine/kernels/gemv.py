@@ -337,6 +337,10 @@ VNNI_ROWS = 8  # rows of x sharing each unpacked weight vector in the VNNI GEMV
 TILE_ROWS = 64
 AVX2_UNIT = 8  # groups per unit in the AVX2 int8 GEMV (16 with VNNI)
 AVX2_ROWS = 8  # rows of x per block in the AVX2 int8 GEMV (4 and 16: no faster)
+# Prefill with k past LONG_CHUNKED_K walks the reduction in chunks of CHUNK_K values, so that a
+# block's int8 x (VNNI_ROWS x CHUNK_K bytes) stays in L1 while a tile of W passes.
+CHUNK_K = 2048
+LONG_CHUNKED_K = 4096
 XQ_WORDS_PER_GROUP = GROUP_SIZE // 4  # int8 x of one group: 32 bytes = 8 int32 words
 NIBBLE_MASK = 0x0F0F0F0F  # the low nibble of each byte of a word
 
@@ -644,21 +648,22 @@ def gemv_q4_vnni_macro(
         return lane_tree(buf[T.Ramp(base, 1, count)], count, _add)
 
     store = _store_macro(dtype, bias)
+    nr = divisor(n, (TILE_ROWS, 32, 16, 8, 4, 2))  # rows of W per tile (prefill)
+    # units per chunk of the reduction (prefill): CHUNK_K values of k; one chunk when k is short
+    chunk_units = max(1, CHUNK_K // (ug * GROUP_SIZE))
+    nchunks = -(-nb // chunk_units) if nb * ug * GROUP_SIZE > LONG_CHUNKED_K else 1
 
     @T.macro
-    def block(w, s, b, y, xq, xs, xo, wt, st, mt, row, r0, nrows):
+    def units16(w, s, xq, xs, xo, f16, row, r0, nrows, u0, u1):
+        """Units [u0, u1) of 16 (AVX2: 8) groups of W's row `row`, added to the accumulators
+        f16 [nrows * ug] of the rows r0.. of x."""
         wl = T.alloc_buffer((8 * ug,), "uint32")
         sl = T.alloc_buffer((ug,), F32)
         if asym:
             ml = T.alloc_buffer((ug,), F32)
         else:
             ml = T.meta_var(None)
-        f16 = T.alloc_buffer((nrows * ug,), F32)
-        f4 = T.alloc_buffer((nrows * 4,), F32)
-        for a in T.unroll(nrows):
-            f16[T.Ramp(a * ug, 1, ug)] = T.Broadcast(T.float32(0), ug)
-            f4[T.Ramp(a * 4, 1, 4)] = T.Broadcast(T.float32(0), 4)
-        for u in range(nb):
+        for u in range(u0, u1):
             wl[T.Ramp(0, 1, 8 * ug)] = unpack(
                 [w[row, T.Ramp(u * 4 * ug + v * ug, 1, ug)] for v in range(4)], ug
             )
@@ -668,6 +673,21 @@ def gemv_q4_vnni_macro(
             else:
                 sl[T.Ramp(0, 1, ug)] = sym_scales(s[row, T.Ramp(u * ug, 1, ug)], ug)
             unit(wl, sl, ml, f16, xq, xs, xo, r0, nrows, u * ug, ug)
+
+    @T.macro
+    def finish(w, s, b, y, xq, xs, xo, wt, st, mt, f16, row, r0, nrows):
+        """The units of 4 groups and the partial unit of W's row `row` for the rows r0.. of x,
+        then their outputs: the lanes of f16 (the units of 16, already summed) and of the
+        4-group accumulators."""
+        wl = T.alloc_buffer((32,), "uint32")
+        sl = T.alloc_buffer((4,), F32)
+        if asym:
+            ml = T.alloc_buffer((4,), F32)
+        else:
+            ml = T.meta_var(None)
+        f4 = T.alloc_buffer((nrows * 4,), F32)
+        for a in T.unroll(nrows):
+            f4[T.Ramp(a * 4, 1, 4)] = T.Broadcast(T.float32(0), 4)
         for u in range(n4):
             wl[T.Ramp(0, 1, 32)] = unpack(
                 [w[row, T.Ramp(g4 * WORDS_PER_GROUP + u * LANES, 1, LANES)]], 4
@@ -693,6 +713,26 @@ def gemv_q4_vnni_macro(
                 store(y, b, r0 + rr, row, sum_lanes(f16, rr * ug, ug))
             else:
                 store(y, b, r0 + rr, row, sum_lanes(f4, rr * 4, 4))
+
+    @T.macro
+    def block(w, s, b, y, xq, xs, xo, wt, st, mt, row, r0, nrows):
+        f16 = T.alloc_buffer((nrows * ug,), F32)
+        for a in T.unroll(nrows):
+            f16[T.Ramp(a * ug, 1, ug)] = T.Broadcast(T.float32(0), ug)
+        units16(w, s, xq, xs, xo, f16, row, r0, nrows, 0, nb)
+        finish(w, s, b, y, xq, xs, xo, wt, st, mt, f16, row, r0, nrows)
+
+    @T.macro
+    def chunk(w, s, xq, xs, xo, acc, base, row, r0, c):
+        """Chunk c of the units of 16 of W's row `row` for the `rows` rows r0.. of x, its
+        accumulators carried in acc[base:base + rows * ug] (a store and a reload are exact)."""
+        f16 = T.alloc_buffer((rows * ug,), F32)
+        for a in T.unroll(rows):
+            f16[T.Ramp(a * ug, 1, ug)] = acc[T.Ramp(base + a * ug, 1, ug)]
+        units16(w, s, xq, xs, xo, f16, row, r0, rows, c * chunk_units,
+                T.min(c * chunk_units + chunk_units, nb))
+        for a in T.unroll(rows):
+            acc[T.Ramp(base + a * ug, 1, ug)] = f16[T.Ramp(a * ug, 1, ug)]
 
     @T.macro
     def part_copy(w, s, wt, st, mt, row):
@@ -721,6 +761,25 @@ def gemv_q4_vnni_macro(
                     )
 
     @T.macro
+    def chunked_blocks(w, s, b, y, xq, xs, xo, wt, st, mt, acc, tile, rb):
+        """A block of `rows` rows of x against a tile of `nr` rows of W, the reduction split into
+        chunks of `chunk_units` units: each chunk of the block's int8 x stays in L1 while the
+        tile's rows pass (a block of a long row does not fit: 8 rows of k = 8192 are 64 KiB,
+        and were read from L2 once per row of W). Each accumulator lane takes the same units in
+        the same order as `block`'s, so the bits are the same."""
+        for i in range(nr * rows):
+            acc[T.Ramp(i * ug, 1, ug)] = T.Broadcast(T.float32(0), ug)
+        for c in range(nchunks):
+            for rr in range(nr):
+                chunk(w, s, xq, xs, xo, acc, rr * rows * ug, tile * nr + rr, rb * rows, c)
+        for rr in range(nr):
+            f16 = T.alloc_buffer((rows * ug,), F32)
+            for a in T.unroll(rows):
+                f16[T.Ramp(a * ug, 1, ug)] = acc[T.Ramp((rr * rows + a) * ug, 1, ug)]
+            part_copy(w, s, wt, st, mt, tile * nr + rr)
+            finish(w, s, b, y, xq, xs, xo, wt, st, mt, f16, tile * nr + rr, rb * rows, rows)
+
+    @T.macro
     def tail_blocks(w, s, b, y, xq, xs, xo, wt, st, mt, row, m):
         """The rows of x after the whole blocks of `rows`, in blocks of 4, 2 and 1."""
         if m % rows >= 4:
@@ -730,7 +789,6 @@ def gemv_q4_vnni_macro(
         if m % 2 == 1:
             block(w, s, b, y, xq, xs, xo, wt, st, mt, row, m - 1, 1)
 
-    nr = divisor(n, (TILE_ROWS, 32, 16, 8, 4, 2))
 
     @T.macro
     def vnni(x, w, s, b, y, m):
@@ -750,10 +808,16 @@ def gemv_q4_vnni_macro(
                     mt = T.alloc_buffer((4,), F32)
                 else:
                     mt = T.meta_var(None)
-                for rb in range(m // rows):
-                    for rr in range(nr):
-                        part_copy(w, s, wt, st, mt, tile * nr + rr)
-                        block(w, s, b, y, xq, xs, xo, wt, st, mt, tile * nr + rr, rb * rows, rows)
+                if nchunks > 1:
+                    acc = T.alloc_buffer((nr * rows * ug,), F32)
+                    for rb in range(m // rows):
+                        chunked_blocks(w, s, b, y, xq, xs, xo, wt, st, mt, acc, tile, rb)
+                else:
+                    for rb in range(m // rows):
+                        for rr in range(nr):
+                            part_copy(w, s, wt, st, mt, tile * nr + rr)
+                            block(w, s, b, y, xq, xs, xo, wt, st, mt, tile * nr + rr, rb * rows,
+                                  rows)
                 for rr in range(nr):
                     part_copy(w, s, wt, st, mt, tile * nr + rr)
                     tail_blocks(w, s, b, y, xq, xs, xo, wt, st, mt, tile * nr + rr, m)
