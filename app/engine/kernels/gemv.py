@@ -36,7 +36,8 @@ on AVX2: pmaddubsw (unsigned nibbles times signed x, pairs summed to int16), the
 a unit added in int16 and widened once by pmaddwd, in units of 8 groups so that a unit's unpacked
 weights fit AVX2's 16 registers (2.6-3.6x the float kernel's GB/s at one row, Zen 4). With many
 rows (prefill) the rows of W run in tiles of 64 per block of x, so the block's int8 x is read
-from L1 rather than from L2 once per row of W.
+from L1 rather than from L2 once per row of W; past 4,096 values of k the block is walked in
+chunks of 2,048 (its accumulators carried between them), so that the chunk fits L1.
 
 The asymmetric modes (value q * scale + min, float16 scale and min per group) run the same three
 kernels with `asym=True`: per group, sum (q s + min) x = s sum q x + min sum x, so the nibbles
