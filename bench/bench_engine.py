@@ -8,9 +8,10 @@
 Shapes:
 
 * `smollm2` (default): the real SmolLM2-135M-Instruct, ours converted from its HF folder, llama.cpp
-  on its Q4_1 GGUF; also each 4-bit mode's top-1 agreement with q0f32 over 128 greedy steps
-  (q0f32 greedy, q4 teacher-forced on those tokens; q4f32_0 on SmolLM2's Q4_0 GGUF, which
-  llama.cpp requantizes from its Q4_1 one);
+  on its Q4_1 GGUF and on Q4_0 / Q4_K_M files requantized from it by `llama_model_quantize`
+  (`--peer`; the only SmolLM2 file here is Q4_1); also each 4-bit mode's top-1 agreement
+  with q0f32 over 128 greedy steps (q0f32 greedy, q4 teacher-forced on those tokens; q4f32_0
+  on SmolLM2's Q4_0 GGUF, which llama.cpp requantizes from its Q4_1 one);
 * `1b`: a Llama of 1B shape (hidden 2048, 16 layers, MLP 8192, 32/8 heads, vocab 49 152, tied
   embeddings) and `3b`: Llama 3.2 3B's dims (hidden 3072, 28 layers, MLP 8192, 24/8 heads, vocab
   128 256, tied), random weights, written once as an F16 GGUF with SmolLM2's tokenizer (the
@@ -370,9 +371,8 @@ def run_llama_cpp(shape: str, threads: int, qtype: str, layers: int | None, long
     import numpy as np
     from llama_cpp import Llama
 
-    from fixtures import smollm2_gguf
-
-    path = smollm2_gguf() if shape == "smollm2" else llama_quantized(shape, layers, qtype)
+    path = smollm2_requantized(qtype) if shape == "smollm2" else llama_quantized(shape, layers,
+                                                                                  qtype)
     start = time.perf_counter()
     llm = Llama(
         model_path=str(path),
@@ -421,27 +421,35 @@ def run_llama_cpp(shape: str, threads: int, qtype: str, layers: int | None, long
 
 
 def smollm2_q4_0_gguf() -> Path:
-    """llama.cpp's Q4_0 file of the real SmolLM2, requantized by `llama_model_quantize` from its
-    Q4_1 GGUF (the one file of it here; the q0f32 reference holds that file's values)."""
+    """llama.cpp's Q4_0 file of the real SmolLM2 (`smollm2_requantized`)."""
+    return smollm2_requantized("Q4_0")
+
+
+def smollm2_requantized(qtype: str) -> Path:
+    """llama.cpp's `qtype` file of the real SmolLM2 ("Q4_0", "Q4_K_M"; "Q4_1" is the wheel's
+    own), requantized by `llama_model_quantize` from its Q4_1 GGUF (the one file of it here;
+    the q0f32 reference holds that file's values)."""
     import ctypes
 
     import llama_cpp
 
     from fixtures import cache_dir, smollm2_gguf
 
-    path = cache_dir() / "bench-smollm2" / "SmolLM2-135M-Instruct.Q4_0.gguf"
+    if qtype == "Q4_1":
+        return smollm2_gguf()
+    path = cache_dir() / "bench-smollm2" / f"SmolLM2-135M-Instruct.{qtype}.gguf"
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{qtype}")
     params.allow_requantize = True
     params.nthread = os.cpu_count() or 1
     tmp = path.with_suffix(".tmp")
     rc = llama_cpp.llama_model_quantize(str(smollm2_gguf()).encode(), str(tmp).encode(),
                                         ctypes.byref(params))
     if rc != 0:
-        raise SystemExit(f"llama_model_quantize Q4_0 failed ({rc})")
+        raise SystemExit(f"llama_model_quantize {qtype} failed ({rc})")
     tmp.rename(path)
     return path
 
@@ -519,7 +527,7 @@ def main() -> None:
     parser.add_argument("--skip-agreement", action="store_true")
     parser.add_argument("--quant", default=None, help="ours: comma-separated modes")
     parser.add_argument("--peer", default=",".join(PEERS),
-                        help="1b / 3b: llama.cpp's quantizations, comma-separated")
+                        help="llama.cpp's quantizations, comma-separated")
     parser.add_argument("--long", type=int, default=None,
                         help=f"tokens before the long-context decode row (default: {LONG_PROMPT} "
                         "for 1b and 3b, 0 (none) for smollm2)")
@@ -547,7 +555,7 @@ def main() -> None:
     thread_list = [int(t) for t in (args.threads or default_threads).split(",")]
     default_quants = "q4f32_1,q4f32_0" if synthetic else "q4f32_1,q0f32"
     quants = (args.quant or default_quants).split(",")
-    peers = [] if args.skip_llama_cpp else (args.peer.split(",") if synthetic else ["Q4_1"])
+    peers = [] if args.skip_llama_cpp else args.peer.split(",")
     if synthetic:  # build the files here, so no child times the building
         llama_f16_gguf(args.shape, args.layers)
         for qtype in {*peers, *(OURS_SOURCE[q] for q in quants if q in OURS_SOURCE)}:
