@@ -371,8 +371,10 @@ def run_llama_cpp(shape: str, threads: int, qtype: str, layers: int | None, long
     import numpy as np
     from llama_cpp import Llama
 
-    path = smollm2_requantized(qtype) if shape == "smollm2" else llama_quantized(shape, layers,
-                                                                                  qtype)
+    if shape == "smollm2":
+        path = smollm2_requantized(qtype)
+    else:
+        path = llama_quantized(shape, layers, qtype)
     start = time.perf_counter()
     llm = Llama(
         model_path=str(path),
@@ -420,11 +422,6 @@ def run_llama_cpp(shape: str, threads: int, qtype: str, layers: int | None, long
     return result
 
 
-def smollm2_q4_0_gguf() -> Path:
-    """llama.cpp's Q4_0 file of the real SmolLM2 (`smollm2_requantized`)."""
-    return smollm2_requantized("Q4_0")
-
-
 def smollm2_requantized(qtype: str) -> Path:
     """llama.cpp's `qtype` file of the real SmolLM2 ("Q4_0", "Q4_K_M"; "Q4_1" is the wheel's
     own), requantized by `llama_model_quantize` from its Q4_1 GGUF (the one file of it here;
@@ -456,7 +453,7 @@ def smollm2_requantized(qtype: str) -> Path:
 
 def _agreement_model_dir(quant: str) -> Path:
     """Ours on the real SmolLM2 in `quant`: from its HF folder (the Q4_1 GGUF's values), or, for
-    the modes holding llama.cpp's Q4_0, imported from its Q4_0 GGUF (`smollm2_q4_0_gguf`)."""
+    the modes holding llama.cpp's Q4_0, imported from its Q4_0 GGUF (`smollm2_requantized`)."""
     from localchat.engine.build import convert_source
 
     from fixtures import cache_dir, converted, smollm2_hf_dir
@@ -465,7 +462,7 @@ def _agreement_model_dir(quant: str) -> Path:
         return converted(smollm2_hf_dir(), quant)
     out = cache_dir() / "bench-smollm2" / f"localchat-{quant}"
     if not (out / "localchat-config.json").exists():
-        convert_source(smollm2_q4_0_gguf(), out, quant, scratch_dir=out.parent)
+        convert_source(smollm2_requantized("Q4_0"), out, quant, scratch_dir=out.parent)
     return out
 
 

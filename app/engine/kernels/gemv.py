@@ -790,7 +790,6 @@ def gemv_q4_vnni_macro(
         if m % 2 == 1:
             block(w, s, b, y, xq, xs, xo, wt, st, mt, row, m - 1, 1)
 
-
     @T.macro
     def vnni(x, w, s, b, y, m):
         xq = T.alloc_buffer((m, kg4 * XQ_WORDS_PER_GROUP), i32)
