@@ -174,3 +174,102 @@ def test_moe_builds_for_a_gpu() -> None:
                    for n, f in funcs.items())
     with pytest.raises(UnsupportedModelError, match="q4f16_asym"):
         arch.build(cfg, get_quant_mode("q4f16_asym"), cuda)
+
+
+def test_gpt_oss_builds_for_a_gpu_with_its_sinks_in_tvms_kernels() -> None:
+    """gpt-oss exports for CUDA: the sinks, which TVM's GPU attention lacks, are written into
+    the final softmax state of its kernels (prefill of a chunk's own tokens, of earlier pages,
+    decode; windowed and not: the output and the LSE of each), and the model applies its YaRN
+    rope itself (TVM's would pair the padded head's lanes)."""
+    from tvm import tirx
+    from tvm.target import Target
+
+    cuda = Target({"kind": "cuda", "arch": "sm_90a", "max_threads_per_block": 1024,
+                   "max_shared_memory_per_block": 49152, "thread_warp_size": 32},
+                  host=cpu_target())
+    arch = get_architecture("gpt_oss")
+    cfg = arch.config_from_hf({
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 64,
+        "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 32, "vocab_size": 300, "max_position_embeddings": 256,
+        "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 4096}})
+    model = arch.build(cfg, get_quant_mode("q4f16_1"), cuda)
+    mod, _ = model.export_tvm(spec=model.get_default_spec())
+    scripts = {gv.name_hint: f.script() for gv, f in mod.functions.items()
+               if isinstance(f, tirx.PrimFunc)}
+    # the sink's lane (32 of 48) of q read where the final state is stored
+    sunk = {name for name, text in scripts.items() if "T.float32(120.0)" in text}
+    assert sunk == {"batch_prefill_ragged_kv", "batch_prefill_paged_kv", "batch_decode_paged_kv",
+                    "batch_prefill_paged_kv_sliding_window",
+                    "batch_decode_paged_kv_sliding_window"}
+    for name in sunk:
+        assert scripts[name].count("T.float32(120.0)") == 2, name  # output and LSE
+        assert ", 32]" in scripts[name], name
+    # rope in the model: a cos outside the cache's kernels (theirs run only in RopeMode.NORMAL)
+    assert any("T.cos" in text for name, text in scripts.items()
+               if not name.startswith(("batch_", "tir_", "copy_", "kv_", "merge_")))
+
+
+def test_yarn_as_rotary_divisors_equals_transformers() -> None:
+    """`yarn_factors` turns YaRN into the per-frequency divisors the GPU rope takes: the same
+    frequencies as transformers' YaRN (gpt-oss's untruncated range)."""
+    import torch  # noqa: F401  (transformers' rope functions need it)
+    from transformers import GptOssConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from localchat.engine.models.layers import yarn_factors
+
+    cfg = GptOssConfig(head_dim=36, hidden_size=144, num_attention_heads=4)
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
+    scaling = getattr(cfg, "rope_scaling", None) or cfg.rope_parameters
+    theta = float(scaling.get("rope_theta") or cfg.rope_theta)
+    ours = [1.0 / (theta ** (2 * k / 36) * f) for k, f in enumerate(yarn_factors(scaling, theta,
+                                                                                 36))]
+    np.testing.assert_allclose(ours, inv_freq.numpy(), rtol=1e-6)
+    assert max(yarn_factors(scaling, theta, 36)) > 30  # the slow frequencies are interpolated
+
+
+def test_the_gpu_form_of_mxfp4_experts_equals_numpy() -> None:
+    """`layers.expert_linear_gpu` in q4f32_mx (what a GPU runs for MXFP4 experts), built and
+    run on the CPU: each token's chosen experts' rows times its input, several tokens choosing
+    one expert, some experts chosen by none, every FP4 code and extreme exponents."""
+    import tvm
+    from tvm import relax
+    from tvm.relax.frontend import nn
+
+    from localchat.engine.build.quantization import dequantize_mx, quantize_mx
+    from localchat.engine.models.layers import expert_linear_gpu
+
+    mode = get_quant_mode("q4f32_mx")
+    experts, n, k, t, topk = 5, 6, 64, 3, 2
+    rng = np.random.default_rng(7)
+    codes = rng.integers(0, 16, (experts * n, k))
+    exps = rng.integers(100, 140, (experts * n, k // 32))
+    exps[0, 0], exps[1, 1] = 1, 200  # the smallest normal power, a large one
+    from localchat.engine.build.quantization import FP4_VALUES
+
+    w = FP4_VALUES[codes] * np.exp2(np.repeat(exps, 32, axis=1) - 127.0)
+    words, e8 = quantize_mx(w.astype(np.float32))
+    np.testing.assert_array_equal(dequantize_mx(words, e8, k), w.astype(np.float32))
+    ids = np.array([[0, 3], [3, 1], [0, 3]], dtype=np.int32)  # 2 and 4 chosen by none
+    x = rng.standard_normal((t, topk, k)).astype(np.float32)
+
+    class Net(nn.Module):
+        def forward(self, x: nn.Tensor, words: nn.Tensor, idx: nn.Tensor, e: nn.Tensor):
+            return expert_linear_gpu(x, words, e, idx, n, mode)
+
+    mod, _ = Net().export_tvm(spec={"forward": {
+        "x": nn.spec.Tensor([t, topk, k], "float32"),
+        "words": nn.spec.Tensor(list(words.shape), "uint32"),
+        "idx": nn.spec.Tensor([t, topk], "int32"),
+        "e": nn.spec.Tensor(list(e8.shape), "uint8"),
+        "$": {"param_mode": "none", "effect_mode": "none"}}})
+    vm = relax.VirtualMachine(tvm.compile(mod, target=cpu_target()), tvm.cpu())
+    got = vm["forward"](*(tvm.runtime.tensor(a, tvm.cpu()) for a in (x, words, ids, e8)))
+    ref = np.stack([np.stack([w[ids[i, j] * n:(ids[i, j] + 1) * n] @ x[i, j]
+                              for j in range(topk)]) for i in range(t)])
+    np.testing.assert_allclose(got.numpy(), ref, rtol=1e-5, atol=1e-30)

@@ -82,6 +82,16 @@ def prefill_chunk_for(meta: dict[str, Any], device_kind: str, chunk: int) -> int
     return min(chunk, window) if window and device_kind != "cpu" else chunk
 
 
+def forks_share_pages(meta: dict[str, Any], device_kind: str) -> bool:
+    """Whether a fork may share its parent's KV pages: not for a model with sliding windows
+    on a GPU. TVM 0.27's GPU kernels window a shared block by its own last positions, not by
+    the query's (on an H200, Gemma 3 and gpt-oss forked past a page disagreed with the same
+    sequence unforked; without windows, and on the CPU, they are equal), so there a fork
+    recomputes the parent's prefix instead."""
+    window = int(meta.get("model_config", {}).get("sliding_window") or 0)
+    return not window or device_kind == "cpu"
+
+
 @dataclass
 class Sequence:
     """A sequence held in the model's state: its id and the tokens it has consumed."""
@@ -118,6 +128,7 @@ class Model:
         self.context_window_size = int(self.meta["context_window_size"])
         self.prefill_chunk_size = prefill_chunk_for(
             self.meta, self.device.kind, int(prefill_chunk_size or self.meta["prefill_chunk_size"]))
+        self.forks_share_pages = forks_share_pages(self.meta, self.device.kind)
         self.max_batch_size = max_batch_size
         self.max_total_tokens = int(max_total_tokens or self.context_window_size)
         self.eos_token_ids: list[int] = list(self.meta.get("eos_token_ids") or [])
@@ -249,7 +260,20 @@ class Model:
         """A new sequence whose state is a copy of `parent`'s first `at` tokens (None: all).
 
         A paged KV cache shares the parent's whole pages with the child (copy-on-write of the
-        partial last page only), so the parent may be removed while the child lives."""
+        partial last page only), so the parent may be removed while the child lives; where
+        `forks_share_pages` is False the child runs the parent's first `at` tokens again."""
+        if not self.forks_share_pages and self.state_kind != "rnn":
+            n = len(parent) if at is None else at
+            if not 0 <= n <= len(parent):
+                raise GenerationError(f"cannot fork a {len(parent)}-token sequence at {n}")
+            child = self.new_sequence()
+            if n:
+                try:
+                    self.prefill(child, parent.tokens[:n])
+                except BaseException:
+                    self.remove(child)
+                    raise
+            return child
         with self._lock:
             if len(self._sequences) >= self.max_batch_size:
                 raise GenerationError(

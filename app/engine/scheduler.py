@@ -154,6 +154,9 @@ class Scheduler:
         self.max_queue = max_queue
         if prefix_cache is None:
             prefix_cache = enabled_from_env()
+        # a fork that recomputes its prefix (windows on a GPU: runtime.forks_share_pages)
+        # saves nothing: no cache to hold idle sequences for
+        prefix_cache = prefix_cache and model.forks_share_pages
         budget = model.max_total_tokens if prefix_cache_tokens is None else prefix_cache_tokens
         self.cache: PrefixCache | None = (
             PrefixCache(budget, fork_anywhere=model.supports_rollback) if prefix_cache else None

@@ -28,14 +28,22 @@ scales are float16 under float32 activations).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 from tvm.target import Target
 
-from localchat.engine.build.quantization import GROUP_SIZE, NIBBLES_PER_WORD, QuantMode, padded_k
+from localchat.engine.build.quantization import (
+    FP4_VALUES,
+    GROUP_SIZE,
+    NIBBLES_PER_WORD,
+    QuantMode,
+    padded_k,
+)
 from localchat.engine.kernels import elementwise, matmul
 from localchat.engine.kernels import gemv as gemv_kernels
 from localchat.engine.kernels.common import asym_layout, gemv_isa, group_param, wide_registers
@@ -92,6 +100,24 @@ def _dequant_value(
         return value.astype(dtype)
     # the scale may be float16 under float32 activations (the modes holding llama.cpp's Q4_0)
     return (nibble.astype("int32") - 8).astype(dtype) * scale[row, group].astype(dtype)
+
+
+def _mx_value(words: te.Tensor, exponents: te.Tensor, row, col, dtype: str) -> tirx.PrimExpr:
+    """Weight [row, col] of an MXFP4 matrix (FP4 E2M1 codes in 4-bit words, uint8 E8M0
+    exponents per group of 32: FP4(code) * 2^(e - 127)), as `dtype`: exact in float32."""
+    word = words[row, col // NIBBLES_PER_WORD]
+    shift = ((col % NIBBLES_PER_WORD) * 4).astype("uint32")
+    code = tirx.bitwise_and(tirx.shift_right(word, shift), tirx.const(15, "uint32"))
+    low = tirx.bitwise_and(code, tirx.const(7, "uint32"))
+    magnitude = tirx.const(6.0, "float32")
+    for c in range(6, -1, -1):  # a select chain over the 8 magnitudes (0 .. 6)
+        magnitude = tirx.Select(low == c, tirx.const(float(FP4_VALUES[c]), "float32"),
+                                magnitude)
+    signed = tirx.Select(code >= 8, -magnitude, magnitude)
+    # 2^(e - 127) is the float32 whose exponent bits are e (e = 0, 2^-127, reads as 0)
+    power = tirx.reinterpret("float32", tirx.shift_left(
+        exponents[row, col // GROUP_SIZE].astype("uint32"), tirx.const(23, "uint32")))
+    return (signed * power).astype(dtype)
 
 
 def _quantized_params(
@@ -255,13 +281,17 @@ def linear(
     return out
 
 
-def _reduce_in_f32(shape, k: int, mode: QuantMode, name: str, cast_name: str, x_at, w_at):
+def _reduce_in_f32(shape, k: int, mode: QuantMode, name: str, cast_name: str, x_at, w_at,
+                   mx: bool = False):
     """out[idx] = sum over r < k of x_at(idx, r) * W[row, r], accumulated in float32 and cast
     to the mode's type, W's element read where `w_at(idx, r)` = (words, (scale,) or (), row,
-    r) points (dequantized inline in a quantized mode): the GPU linears' one reduction."""
+    r) points (dequantized inline in a quantized mode; `mx`: W is MXFP4): the GPU linears' one
+    reduction."""
     r = te.reduce_axis((0, k), name="k")
 
     def w_value(words, sc, row, col):
+        if mx:
+            return _mx_value(words, sc[0], row, col, mode.dtype)
         return _dequant_value(words, sc[0], row, col, mode.dtype) if sc else words[row, col]
 
     acc = te.compute(
@@ -277,8 +307,8 @@ def expert_linear_gpu(x: nn.Tensor, weight: nn.Tensor, scale: nn.Tensor | None,
                       idx: nn.Tensor, n: int, mode: QuantMode) -> nn.Tensor:
     """y [t, topk, n] = x[t, j or 0] times expert idx[t, j]'s rows of weight [experts * n, K]
     transposed, on a GPU: one reduction with the dequantization inline (as `linear`'s GPU
-    form), accumulated in float32. x [t, 1, K] serves every slot (the gate/up projection),
-    x [t, topk, K] one per slot (the down projection)."""
+    form; MXFP4 in q4f32_mx), accumulated in float32. x [t, 1, K] serves every slot (the
+    gate/up projection), x [t, topk, K] one per slot (the down projection)."""
     k = int(x.shape[-1])
     topk = int(idx.shape[1])
     shared = int(x.shape[1]) == 1
@@ -287,7 +317,8 @@ def expert_linear_gpu(x: nn.Tensor, weight: nn.Tensor, scale: nn.Tensor | None,
         return _reduce_in_f32(
             (xt.shape[0], topk, n), k, mode, "expert_matmul", "expert_cast",
             lambda i, r: xt[i[0], 0 if shared else i[1], r],
-            lambda i, r: (words, sc, ids[i[0], i[1]].astype("int64") * n + i[2], r))
+            lambda i, r: (words, sc, ids[i[0], i[1]].astype("int64") * n + i[2], r),
+            mx=mode.experts == "MXFP4")
 
     return op.tensor_expr_op(gathered, "expert_matmul",
                              args=[x, weight, idx] + ([scale] if mode.quantized else []))
@@ -381,6 +412,28 @@ class Embedding(nn.Module):
         return linear(
             x, self.weight, self.scale, None, self.mode, self.target_kind, self.avx512, gemv=True
         )
+
+
+def yarn_factors(scaling: dict[str, Any], theta: float, rotary_dim: int) -> list[float]:
+    """YaRN's frequencies as `rotary`'s per-frequency divisors: frequency k blends its
+    interpolated (/ factor) and extrapolated (as is) values by a linear ramp between the
+    correction dims of beta_fast and beta_slow rotations, as transformers computes it with an
+    untruncated range (gpt-oss)."""
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+
+    def correction_dim(rotations: float) -> float:
+        return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(correction_dim(float(scaling.get("beta_fast") or 32)), 0.0)
+    high = min(correction_dim(float(scaling.get("beta_slow") or 1)), rotary_dim - 1.0)
+    if low == high:
+        high += 0.001
+    divisors = []
+    for k in range(rotary_dim // 2):
+        extrapolated = 1.0 - min(max((k - low) / (high - low), 0.0), 1.0)
+        divisors.append(1.0 / ((1.0 - extrapolated) / factor + extrapolated))
+    return divisors
 
 
 def rotary(qkv: nn.Tensor, positions: nn.Tensor, theta: float, scale: float, num_q: int,

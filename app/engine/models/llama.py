@@ -28,7 +28,7 @@ from localchat.engine.kernels.attention import (
     rotary_qkv_cpu,
     windowed_sm_scale,
 )
-from localchat.engine.kernels.gpu_attention import soft_cap_attention
+from localchat.engine.kernels.gpu_attention import sink_attention, soft_cap_attention
 from localchat.engine.models import Architecture, GgufMap, GgufSource, probes
 from localchat.engine.models.export import model_spec
 from localchat.engine.models.layers import (
@@ -40,6 +40,7 @@ from localchat.engine.models.layers import (
     gated,
     rotary,
     take_last_token,
+    yarn_factors,
 )
 from localchat.errors import ModelConfigError, UnsupportedModelError
 
@@ -109,6 +110,11 @@ class LlamaConfig:
         (theta or none), or it has LongRoPE's factors."""
         return (bool(self.layer_rope_theta) or bool(self.rope_layers)
                 or bool(self.rope_ext_factors) or self.rope_attention_factor != 1.0)
+
+    def applies_rope(self, cpu: bool) -> bool:
+        """Whether the model applies rope itself on this target: `rope_per_layer`, or sinks on
+        a GPU (TVM's GPU rope would pair the lanes of the cache's padded head dim)."""
+        return self.rope_per_layer or (self.attn_sinks and not cpu)
 
     def layer_options(self, layer_id: int) -> dict[str, Any]:
         """What differs between layers: the sliding window (0: full), the rope theta, and
@@ -226,7 +232,7 @@ class LlamaAttention(nn.Module):
         self.call_scale = windowed_sm_scale(self.scale) if layer["window"] and ctx.cpu \
             else self.scale
         # rope the cache cannot apply (per-layer theta, layers without it): applied here
-        self.own_rope = cfg.rope_per_layer and layer["rope"]
+        self.own_rope = cfg.applies_rope(ctx.cpu) and layer["rope"]
         self.rope_theta, self.rope_scaling = layer["rope_theta"], cfg.rope_scaling
         self.rope_scale = layer["rope_scale"]
         self.cpu = ctx.cpu
@@ -246,10 +252,6 @@ class LlamaAttention(nn.Module):
             raise UnsupportedModelError(f"qk_norm {cfg.qk_norm!r} is not supported")
         self.with_sinks = cfg.attn_sinks
         if cfg.attn_sinks:
-            if not ctx.cpu:
-                raise UnsupportedModelError(
-                    f"attention sinks (gpt-oss) run on the CPU kernels only (not "
-                    f"{ctx.target_kind}: TVM 0.27's GPU attention has no sinks)")
             self.sinks = nn.Parameter((self.num_q,), ctx.dtype)
 
     def _sink_lanes(self, qkv: nn.Tensor) -> nn.Tensor:
@@ -283,12 +285,17 @@ class LlamaAttention(nn.Module):
         b, s = qkv.shape[0], qkv.shape[1]
         positions = cache.get_query_positions(b * s)
         if not self.cpu or self.ext_factors or self.mscale != 1.0:
-            if self.rope_scaling:
+            factors = self.ext_factors
+            if (self.rope_scaling or {}).get("rope_type") == "yarn" and not factors:
+                # YaRN changes only the frequencies (its attention factor is in the scale)
+                factors = yarn_factors(self.rope_scaling, self.rope_theta,
+                                       self.rotary_dim or self.head_dim)
+            elif self.rope_scaling:
                 raise UnsupportedModelError("per-layer rope with rope_scaling runs on the CPU "
                                             "kernels only")
             return rotary(qkv, positions, self.rope_theta, self.rope_scale, self.num_q,
                           self.num_kv, self.rotary_dim or self.head_dim,
-                          factors=self.ext_factors, mscale=self.mscale)
+                          factors=factors, mscale=self.mscale)
         func = rotary_qkv_cpu(self.rope_theta, self.rope_scale, self.head_dim, self.num_q,
                               self.num_kv, str(qkv.dtype), self.rope_scaling or None,
                               self.rotary_dim)
@@ -497,8 +504,8 @@ class LlamaForCausalLM(nn.Module):
             options["layer_sliding_window_size"] = cfg.sliding_window
         if cfg.attn_softcap and cpu:
             options["attn_soft_cap"] = cfg.attn_softcap
-        if cfg.attn_sinks:
-            options["attn_sinks"] = True  # a CPU target: LlamaAttention refuses others
+        if cfg.attn_sinks and cpu:  # GPU: TVM's kernels, rewritten below
+            options["attn_sinks"] = True
         cache = make(
             attn_kind=attn_kind,
             max_batch_size=max_batch_size,
@@ -514,7 +521,7 @@ class LlamaForCausalLM(nn.Module):
             v_head_dim=cache_head_dim(cfg),
             mla_original_qk_head_dim=0,
             mla_original_v_head_dim=0,
-            rope_mode=RopeMode.NONE if cfg.rope_per_layer else RopeMode.NORMAL,
+            rope_mode=RopeMode.NONE if cfg.applies_rope(cpu) else RopeMode.NORMAL,
             rope_scale=1,
             rope_theta=cfg.rope_theta,
             rope_scaling=cfg.rope_scaling,
@@ -527,6 +534,8 @@ class LlamaForCausalLM(nn.Module):
         )
         if cfg.attn_softcap and not cpu:  # TVM's GPU kernels, rewritten to cap their scores
             soft_cap_attention(cfg.attn_softcap)
+        if cfg.attn_sinks and not cpu:  # ... and to count the sinks
+            sink_attention(cfg.head_dim)
         return cache
 
     def get_default_spec(self) -> nn.spec.ModuleSpec:

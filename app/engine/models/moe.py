@@ -122,10 +122,10 @@ class MoeMLP(nn.Module):
         if ctx.mode.quantized and ctx.mode.bits not in (4, 8):
             raise UnsupportedModelError(f"MoE experts in {ctx.mode.name} are not supported "
                                         f"(float, 4-bit or 8-bit modes)")
-        if not ctx.cpu and (ctx.mode.asymmetric or ctx.mode.experts):
+        if not ctx.cpu and ctx.mode.asymmetric:
             raise UnsupportedModelError(
                 f"mixture-of-experts models in {ctx.mode.name} run on the CPU only (on a GPU: "
-                f"q0f16, q4f16_1, q8f16_0)")
+                f"q0f16, q4f16_1, q8f16_0, q4f32_mx)")
         self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
         self.hidden, self.inter = cfg.hidden_size, cfg.moe_intermediate_size
         self.norm = cfg.norm_topk_prob
