@@ -90,12 +90,14 @@ def test_int8_gemv_matches_numpy_and_is_batch_invariant(
     words, scale = quantize_q4(rng.standard_normal((n, k), dtype=np.float32) * 0.05, "float32")
     b = rng.standard_normal(n).astype(np.float32)
     dense = dequantize_q4(words, scale, k).astype(np.float64)
-    x = rng.standard_normal((16, k), dtype=np.float32)
+    x = rng.standard_normal((21, k), dtype=np.float32)
     x[3] = 0  # an all-zero row: scale 0, nothing divided by it
     x[5, : min(k, 40)] *= 1000  # groups of very different magnitude in one row
     lib = _build(target, gemv.gemv_q4(k, n, "float32", isa, bias))
     rows = {}
-    for m in (1, 3, 16):
+    # 16 and 21 rows: prefill's blocks of 8 (21: then blocks of 4 and 1), their 4-group units
+    # four rows at once and their lane sums together
+    for m in (1, 3, 16, 21):
         args = (x[:m], words, scale, *([b] if bias else []))
         got = _run(lib, args, m, n)
         extra = b if bias else 0
@@ -106,6 +108,9 @@ def test_int8_gemv_matches_numpy_and_is_batch_invariant(
     for m in (3, 16):
         assert np.array_equal(rows[m][:1], rows[1]), f"row 0 differs with {m} rows"
     assert np.array_equal(rows[16][:3], rows[3]), "rows 0-2 differ with 16 rows"
+    assert np.array_equal(rows[21][:16], rows[16]), "rows 0-15 differ with 21 rows"
+    assert np.array_equal(rows[21][16:19], _run(lib, (x[16:19], words, scale,
+                                                      *([b] if bias else [])), 3, n))
 
 
 @pytest.mark.parametrize("isa", ISAS)

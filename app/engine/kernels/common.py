@@ -240,6 +240,27 @@ def lane_tree(vec, lanes: int, op):
     return vec
 
 
+def rows_lane_tree(vectors: list, lanes: int, op):
+    """`lane_tree` of each row of several: `vectors` hold rows of `lanes` lanes side by side
+    (a vector of W lanes holds W / lanes rows); the result has one lane per row, in order, each
+    the same tree of halves as `lane_tree`'s, but a level of two vectors' rows is one
+    pair of shuffles and one op (a row alone takes as many as the tree has levels)."""
+    width = int(vectors[0].ty.dtype.lanes)
+    vecs, w = list(vectors), lanes
+    while w > 1:
+        half, out = w // 2, []
+        for i in range(0, len(vecs), 2):
+            pair = vecs[i:i + 2]
+            rows = len(pair) * width // w
+            lo = [r * w + j for r in range(rows) for j in range(half)]
+            hi = [r * w + half + j for r in range(rows) for j in range(half)]
+            out.append(op(tirx.Shuffle(pair, lo), tirx.Shuffle(pair, hi)))
+        vecs, w = out, half
+        width = int(vecs[0].ty.dtype.lanes)
+    return vecs[0] if len(vecs) == 1 else tirx.Shuffle(vecs, list(range(sum(
+        int(v.ty.dtype.lanes) for v in vecs))))
+
+
 def int8_activations(target: Target) -> bool:
     """Whether the 4-bit kernels for `target` round activations to int8 per group of 32 (the
     VNNI and AVX2 GEMVs, as llama.cpp does): results within that rounding, not float's."""

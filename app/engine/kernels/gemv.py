@@ -75,6 +75,7 @@ from localchat.engine.kernels.common import (
     group_params_vec,
     lane_tree,
     padded_k,
+    rows_lane_tree,
     scheduled,
     transpose_x,
 )
@@ -645,8 +646,85 @@ def gemv_q4_vnni_macro(
                 wl, sl, ml, xq, xs, xo, r0 + rr, g0, groups
             )
 
+    # Prefill (VNNI): a 4-group unit (or the partial one) of 4 rows of x at once, in 16 lanes
+    # (row a's 4 beside the next rows', the weights' 4 lanes repeated), from copies of x's tail
+    # interleaved by 4 rows (`prep4`): one vpdpbusd of 16 lanes for four of 4, which made a
+    # short row's tail (k = 576: 16 groups then 2) cost as much as its 16-group unit. Each
+    # lane's operations are `unit`'s, so the bits are the same.
+    nu4 = n4 + int(has_part)  # the 4-group units of a row, the partial one included
+    # prefill's blocks of rows (a multiple of 4) sum their lanes together (`rows_sums`) and,
+    # with VNNI, take their 4-group units four rows at once
+    combine = True
+    tails4 = isa == "vnni" and nu4 > 0
+
+    def rep4(v):  # 4 lanes, repeated to 16
+        return tirx.Shuffle([v] * (LANES // 4), list(range(LANES)))
+
+    def unit4_term(wr, sr, mr, xq4, xs4, xo4, rb, u):
+        acc = T.Broadcast(T.int32(0), LANES) if asym else xo4[rb, T.Ramp(u * LANES, 1, LANES)]
+        for q in range(8):
+            acc = _dpbusd(
+                acc,
+                wr[T.Ramp(q * LANES, 1, LANES)],
+                xq4[rb, T.Ramp((u * 8 + q) * LANES, 1, LANES)],
+                LANES,
+            )
+        value = T.Cast(f"float32x{LANES}", acc) * (
+            sr[T.Ramp(0, 1, LANES)] * xs4[rb, T.Ramp(u * LANES, 1, LANES)]
+        )
+        if asym:
+            return value + mr[T.Ramp(0, 1, LANES)] * xo4[rb, T.Ramp(u * LANES, 1, LANES)]
+        return value
+
+    @T.macro
+    def unit4(wl, sl, ml, f4, xq4, xs4, xo4, r0, nrows, u):
+        """`unit` of 4 groups for the rows r0.. (nrows and r0 multiples of 4), four at once."""
+        wr = T.alloc_buffer((8 * LANES,), "uint32")
+        sr = T.alloc_buffer((LANES,), F32)
+        if asym:
+            mr = T.alloc_buffer((LANES,), F32)
+            mr[T.Ramp(0, 1, LANES)] = rep4(ml[T.Ramp(0, 1, 4)])
+        else:
+            mr = T.meta_var(None)
+        for q in T.unroll(8):
+            wr[T.Ramp(q * LANES, 1, LANES)] = rep4(wl[T.Ramp(q * 4, 1, 4)])
+        sr[T.Ramp(0, 1, LANES)] = rep4(sl[T.Ramp(0, 1, 4)])
+        for a in T.unroll(nrows // 4):
+            f4[T.Ramp(a * LANES, 1, LANES)] = f4[T.Ramp(a * LANES, 1, LANES)] + unit4_term(
+                wr, sr, mr, xq4, xs4, xo4, r0 // 4 + a, u
+            )
+
+    @T.macro
+    def tail_unit(wl, sl, ml, f4, xq, xs, xo, xq4, xs4, xo4, r0, nrows, g0, u, combined):
+        if combined and tails4:
+            unit4(wl, sl, ml, f4, xq4, xs4, xo4, r0, nrows, u)
+        else:
+            unit(wl, sl, ml, f4, xq, xs, xo, r0, nrows, g0, 4)
+
+    @T.macro
+    def prep4(xq, xs, xo, xq4, xs4, xo4, m):
+        """x's 4-group units, rows interleaved by 4: lanes (r % 4) * 4 + e of row r // 4."""
+        for r in T.parallel(m):
+            for u in range(nu4):
+                for q in T.unroll(8):
+                    xq4[r // 4, T.Ramp((u * 8 + q) * LANES + r % 4 * 4, 1, 4)] = xq[
+                        r, T.Ramp((g4 + u * 4) * XQ_WORDS_PER_GROUP + q * 4, 1, 4)
+                    ]
+                xs4[r // 4, T.Ramp(u * LANES + r % 4 * 4, 1, 4)] = xs[r, T.Ramp(g4 + u * 4, 1, 4)]
+                xo4[r // 4, T.Ramp(u * LANES + r % 4 * 4, 1, 4)] = xo[r, T.Ramp(g4 + u * 4, 1, 4)]
+
     def sum_lanes(buf, base, count):
         return lane_tree(buf[T.Ramp(base, 1, count)], count, _add)
+
+    def rows_sums(f16, f4, nrows):
+        """Each of `nrows` rows' total, as `sum_lanes` of its f16 lanes plus of its f4 lanes."""
+        sums16 = rows_lane_tree([f16[T.Ramp(a * ug, 1, ug)] for a in range(nrows)], ug, _add)
+        per = min(nrows * 4, LANES)
+        sums4 = rows_lane_tree(
+            [f4[T.Ramp(a, 1, per)] for a in range(0, nrows * 4, per)], 4, _add)
+        if both:
+            return sums16 + sums4
+        return sums16 if only16 else sums4
 
     store = _store_macro(dtype, bias)
     nr = divisor(n, (TILE_ROWS, 32, 16, 8, 4, 2))  # rows of W per tile (prefill)
@@ -676,10 +754,11 @@ def gemv_q4_vnni_macro(
             unit(wl, sl, ml, f16, xq, xs, xo, r0, nrows, u * ug, ug)
 
     @T.macro
-    def finish(w, s, b, y, xq, xs, xo, wt, st, mt, f16, row, r0, nrows):
+    def finish(w, s, b, y, xq, xs, xo, wt, st, mt, tb, f16, row, r0, nrows, x4, combined):
         """The units of 4 groups and the partial unit of W's row `row` for the rows r0.. of x,
         then their outputs: the lanes of f16 (the units of 16, already summed) and of the
-        4-group accumulators."""
+        4-group accumulators. `combined`: four rows of x at once (`unit4`, x4 = prep4's
+        copies)."""
         wl = T.alloc_buffer((32,), "uint32")
         sl = T.alloc_buffer((4,), F32)
         if asym:
@@ -698,30 +777,40 @@ def gemv_q4_vnni_macro(
                 ml[T.Ramp(0, 1, 4)] = group_params_vec(s, row, g4 + u * 4, 4, 1, layout, kg)
             else:
                 sl[T.Ramp(0, 1, 4)] = sym_scales(s[row, T.Ramp(g4 + u * 4, 1, 4)], 4)
-            unit(wl, sl, ml, f4, xq, xs, xo, r0, nrows, g4 + u * 4, 4)
+            tail_unit(wl, sl, ml, f4, xq, xs, xo, x4[0], x4[1], x4[2], r0, nrows, g4 + u * 4, u,
+                      combined)
         if has_part:
-            wl[T.Ramp(0, 1, 32)] = unpack([wt[T.Ramp(0, 1, LANES)]], 4)
-            sl[T.Ramp(0, 1, 4)] = st[T.Ramp(0, 1, 4)]
+            wl[T.Ramp(0, 1, 32)] = unpack([wt[T.Ramp(tb * LANES, 1, LANES)]], 4)
+            sl[T.Ramp(0, 1, 4)] = st[T.Ramp(tb * 4, 1, 4)]
             if asym:
-                ml[T.Ramp(0, 1, 4)] = mt[T.Ramp(0, 1, 4)]
-            unit(wl, sl, ml, f4, xq, xs, xo, r0, nrows, gp, 4)
-        for rr in range(nrows):
-            if both:
-                store(
-                    y, b, r0 + rr, row, sum_lanes(f16, rr * ug, ug) + sum_lanes(f4, rr * 4, 4)
-                )
-            elif only16:
-                store(y, b, r0 + rr, row, sum_lanes(f16, rr * ug, ug))
-            else:
-                store(y, b, r0 + rr, row, sum_lanes(f4, rr * 4, 4))
+                ml[T.Ramp(0, 1, 4)] = mt[T.Ramp(tb * 4, 1, 4)]
+            tail_unit(wl, sl, ml, f4, xq, xs, xo, x4[0], x4[1], x4[2], r0, nrows, gp, n4,
+                      combined)
+        if combined:
+            # the rows' lane sums together (`rows_lane_tree`: each row's tree as alone)
+            tot = T.alloc_buffer((nrows,), F32)
+            tot[T.Ramp(0, 1, nrows)] = rows_sums(f16, f4, nrows)
+            for rr in range(nrows):
+                store(y, b, r0 + rr, row, tot[rr])
+        else:
+            for rr in range(nrows):
+                if both:
+                    store(
+                        y, b, r0 + rr, row,
+                        sum_lanes(f16, rr * ug, ug) + sum_lanes(f4, rr * 4, 4),
+                    )
+                elif only16:
+                    store(y, b, r0 + rr, row, sum_lanes(f16, rr * ug, ug))
+                else:
+                    store(y, b, r0 + rr, row, sum_lanes(f4, rr * 4, 4))
 
     @T.macro
-    def block(w, s, b, y, xq, xs, xo, wt, st, mt, row, r0, nrows):
+    def block(w, s, b, y, xq, xs, xo, wt, st, mt, tb, row, r0, nrows, x4, combined):
         f16 = T.alloc_buffer((nrows * ug,), F32)
         for a in T.unroll(nrows):
             f16[T.Ramp(a * ug, 1, ug)] = T.Broadcast(T.float32(0), ug)
         units16(w, s, xq, xs, xo, f16, row, r0, nrows, 0, nb)
-        finish(w, s, b, y, xq, xs, xo, wt, st, mt, f16, row, r0, nrows)
+        finish(w, s, b, y, xq, xs, xo, wt, st, mt, tb, f16, row, r0, nrows, x4, combined)
 
     @T.macro
     def chunk(w, s, xq, xs, xo, acc, base, row, r0, c):
@@ -736,33 +825,34 @@ def gemv_q4_vnni_macro(
             acc[T.Ramp(base + a * ug, 1, ug)] = f16[T.Ramp(a * ug, 1, ug)]
 
     @T.macro
-    def part_copy(w, s, wt, st, mt, row):
-        """The last, partial unit of W's row `row` (and its scales), zero-padded to 4 groups."""
+    def part_copy(w, s, wt, st, mt, tb, row):
+        """The last, partial unit of W's row `row` (and its scales), zero-padded to 4 groups,
+        into slot `tb` of wt, st (and mt)."""
         if has_part:
             for i in range(LANES):
-                wt[i] = T.Select(
+                wt[tb * LANES + i] = T.Select(
                     i < part * WORDS_PER_GROUP,
                     w[row, T.min(gp * WORDS_PER_GROUP + i, kw - 1)],
                     T.uint32(0),
                 )
             if asym:
                 for i in range(4):
-                    st[i] = T.Select(
+                    st[tb * 4 + i] = T.Select(
                         i < part, group_param(s, row, T.min(gp + i, kg - 1), 0, layout, kg),
                         T.float32(0)
                     )
-                    mt[i] = T.Select(
+                    mt[tb * 4 + i] = T.Select(
                         i < part, group_param(s, row, T.min(gp + i, kg - 1), 1, layout, kg),
                         T.float32(0),
                     )
             else:
                 for i in range(4):
-                    st[i] = T.Select(
+                    st[tb * 4 + i] = T.Select(
                         i < part, sym_scales(s[row, T.min(gp + i, kg - 1)], 1), T.float32(0)
                     )
 
     @T.macro
-    def chunked_blocks(w, s, b, y, xq, xs, xo, wt, st, mt, acc, tile, rb):
+    def chunked_blocks(w, s, b, y, xq, xs, xo, wt, st, mt, acc, tile, rb, x4):
         """A block of `rows` rows of x against a tile of `nr` rows of W, the reduction split into
         chunks of `chunk_units` units: each chunk of the block's int8 x stays in L1 while the
         tile's rows pass (a block of a long row does not fit: 8 rows of k = 8192 are 64 KiB,
@@ -777,18 +867,18 @@ def gemv_q4_vnni_macro(
             f16 = T.alloc_buffer((rows * ug,), F32)
             for a in T.unroll(rows):
                 f16[T.Ramp(a * ug, 1, ug)] = acc[T.Ramp((rr * rows + a) * ug, 1, ug)]
-            part_copy(w, s, wt, st, mt, tile * nr + rr)
-            finish(w, s, b, y, xq, xs, xo, wt, st, mt, f16, tile * nr + rr, rb * rows, rows)
+            finish(w, s, b, y, xq, xs, xo, wt, st, mt, rr, f16, tile * nr + rr, rb * rows, rows,
+                   x4, combine)
 
     @T.macro
-    def tail_blocks(w, s, b, y, xq, xs, xo, wt, st, mt, row, m):
+    def tail_blocks(w, s, b, y, xq, xs, xo, wt, st, mt, tb, row, m, x4, combined):
         """The rows of x after the whole blocks of `rows`, in blocks of 4, 2 and 1."""
         if m % rows >= 4:
-            block(w, s, b, y, xq, xs, xo, wt, st, mt, row, m - m % rows, 4)
+            block(w, s, b, y, xq, xs, xo, wt, st, mt, tb, row, m - m % rows, 4, x4, combined)
         if m % 4 >= 2:
-            block(w, s, b, y, xq, xs, xo, wt, st, mt, row, m - m % 4, 2)
+            block(w, s, b, y, xq, xs, xo, wt, st, mt, tb, row, m - m % 4, 2, x4, False)
         if m % 2 == 1:
-            block(w, s, b, y, xq, xs, xo, wt, st, mt, row, m - 1, 1)
+            block(w, s, b, y, xq, xs, xo, wt, st, mt, tb, row, m - 1, 1, x4, False)
 
     @T.macro
     def vnni(x, w, s, b, y, m):
@@ -801,26 +891,34 @@ def gemv_q4_vnni_macro(
             # rows of W before the next block, so it is read from L1 rather than from L2 once
             # per row of W (which bounded the kernel at L2's bandwidth); the tile's weights
             # come from L2. A row's operations are the same as untiled.
+            xq4 = T.alloc_buffer(((m + 3) // 4, max(nu4, 1) * 8 * LANES), i32)
+            xs4 = T.alloc_buffer(((m + 3) // 4, max(nu4, 1) * LANES), F32)
+            xo4 = T.alloc_buffer(((m + 3) // 4, max(nu4, 1) * LANES), F32 if asym else i32)
+            x4 = T.meta_var((xq4, xs4, xo4))
+            if tails4:
+                prep4(xq, xs, xo, xq4, xs4, xo4, m)
             for tile in T.parallel(n // nr):
-                wt = T.alloc_buffer((LANES,), "uint32")
-                st = T.alloc_buffer((4,), F32)
+                # each row's partial unit, copied once per tile
+                wt = T.alloc_buffer((nr * LANES,), "uint32")
+                st = T.alloc_buffer((nr * 4,), F32)
                 if asym:
-                    mt = T.alloc_buffer((4,), F32)
+                    mt = T.alloc_buffer((nr * 4,), F32)
                 else:
                     mt = T.meta_var(None)
+                for rr in range(nr):
+                    part_copy(w, s, wt, st, mt, rr, tile * nr + rr)
                 if nchunks > 1:
                     acc = T.alloc_buffer((nr * rows * ug,), F32)
                     for rb in range(m // rows):
-                        chunked_blocks(w, s, b, y, xq, xs, xo, wt, st, mt, acc, tile, rb)
+                        chunked_blocks(w, s, b, y, xq, xs, xo, wt, st, mt, acc, tile, rb, x4)
                 else:
                     for rb in range(m // rows):
                         for rr in range(nr):
-                            part_copy(w, s, wt, st, mt, tile * nr + rr)
-                            block(w, s, b, y, xq, xs, xo, wt, st, mt, tile * nr + rr, rb * rows,
-                                  rows)
+                            block(w, s, b, y, xq, xs, xo, wt, st, mt, rr, tile * nr + rr,
+                                  rb * rows, rows, x4, combine)
                 for rr in range(nr):
-                    part_copy(w, s, wt, st, mt, tile * nr + rr)
-                    tail_blocks(w, s, b, y, xq, xs, xo, wt, st, mt, tile * nr + rr, m)
+                    tail_blocks(w, s, b, y, xq, xs, xo, wt, st, mt, rr, tile * nr + rr, m, x4,
+                                combine)
         else:
             for row in T.parallel(n):
                 wt = T.alloc_buffer((LANES,), "uint32")
@@ -829,10 +927,11 @@ def gemv_q4_vnni_macro(
                     mt = T.alloc_buffer((4,), F32)
                 else:
                     mt = T.meta_var(None)
-                part_copy(w, s, wt, st, mt, row)
+                part_copy(w, s, wt, st, mt, 0, row)
+                x4 = T.meta_var((xq, xs, xo))  # unused: one row at a time
                 for rb in range(m // rows):
-                    block(w, s, b, y, xq, xs, xo, wt, st, mt, row, rb * rows, rows)
-                tail_blocks(w, s, b, y, xq, xs, xo, wt, st, mt, row, m)
+                    block(w, s, b, y, xq, xs, xo, wt, st, mt, 0, row, rb * rows, rows, x4, False)
+                tail_blocks(w, s, b, y, xq, xs, xo, wt, st, mt, 0, row, m, x4, False)
 
     return vnni
 
