@@ -657,6 +657,13 @@ def gemv_q4_vnni_macro(
     combine = True
     tails4 = isa == "vnni" and nu4 > 0
 
+    def fixed4(m) -> bool:
+        """Whether a row-parallel call's rows (a constant m) run in blocks of 4 or more."""
+        return isinstance(m, int) and m >= 4
+
+    def blocks4(m):
+        return (m + 3) // 4 if fixed4(m) else 1
+
     def rep4(v):  # 4 lanes, repeated to 16
         return tirx.Shuffle([v] * (LANES // 4), list(range(LANES)))
 
@@ -702,16 +709,24 @@ def gemv_q4_vnni_macro(
             unit(wl, sl, ml, f4, xq, xs, xo, r0, nrows, g0, 4)
 
     @T.macro
+    def prep4_row(xq, xs, xo, xq4, xs4, xo4, r):
+        for u in range(nu4):
+            for q in T.unroll(8):
+                xq4[r // 4, T.Ramp((u * 8 + q) * LANES + r % 4 * 4, 1, 4)] = xq[
+                    r, T.Ramp((g4 + u * 4) * XQ_WORDS_PER_GROUP + q * 4, 1, 4)
+                ]
+            xs4[r // 4, T.Ramp(u * LANES + r % 4 * 4, 1, 4)] = xs[r, T.Ramp(g4 + u * 4, 1, 4)]
+            xo4[r // 4, T.Ramp(u * LANES + r % 4 * 4, 1, 4)] = xo[r, T.Ramp(g4 + u * 4, 1, 4)]
+
+    @T.macro
     def prep4(xq, xs, xo, xq4, xs4, xo4, m):
         """x's 4-group units, rows interleaved by 4: lanes (r % 4) * 4 + e of row r // 4."""
-        for r in T.parallel(m):
-            for u in range(nu4):
-                for q in T.unroll(8):
-                    xq4[r // 4, T.Ramp((u * 8 + q) * LANES + r % 4 * 4, 1, 4)] = xq[
-                        r, T.Ramp((g4 + u * 4) * XQ_WORDS_PER_GROUP + q * 4, 1, 4)
-                    ]
-                xs4[r // 4, T.Ramp(u * LANES + r % 4 * 4, 1, 4)] = xs[r, T.Ramp(g4 + u * 4, 1, 4)]
-                xo4[r // 4, T.Ramp(u * LANES + r % 4 * 4, 1, 4)] = xo[r, T.Ramp(g4 + u * 4, 1, 4)]
+        if _many_rows(m):
+            for r in T.parallel(m):
+                prep4_row(xq, xs, xo, xq4, xs4, xo4, r)
+        else:
+            for r in range(m):
+                prep4_row(xq, xs, xo, xq4, xs4, xo4, r)
 
     def sum_lanes(buf, base, count):
         return lane_tree(buf[T.Ramp(base, 1, count)], count, _add)
@@ -920,6 +935,14 @@ def gemv_q4_vnni_macro(
                     tail_blocks(w, s, b, y, xq, xs, xo, wt, st, mt, rr, tile * nr + rr, m, x4,
                                 combine)
         else:
+            # a constant m of 4 or more (the MoE experts' blocks of rows) combines as prefill
+            # does; decode's one row cannot
+            xq4 = T.alloc_buffer((blocks4(m), max(nu4, 1) * 8 * LANES), i32)
+            xs4 = T.alloc_buffer((blocks4(m), max(nu4, 1) * LANES), F32)
+            xo4 = T.alloc_buffer((blocks4(m), max(nu4, 1) * LANES), F32 if asym else i32)
+            x4 = T.meta_var((xq4, xs4, xo4))
+            if tails4 and fixed4(m):
+                prep4(xq, xs, xo, xq4, xs4, xo4, m)
             for row in T.parallel(n):
                 wt = T.alloc_buffer((LANES,), "uint32")
                 st = T.alloc_buffer((4,), F32)
@@ -928,10 +951,10 @@ def gemv_q4_vnni_macro(
                 else:
                     mt = T.meta_var(None)
                 part_copy(w, s, wt, st, mt, 0, row)
-                x4 = T.meta_var((xq, xs, xo))  # unused: one row at a time
                 for rb in range(m // rows):
-                    block(w, s, b, y, xq, xs, xo, wt, st, mt, 0, row, rb * rows, rows, x4, False)
-                tail_blocks(w, s, b, y, xq, xs, xo, wt, st, mt, 0, row, m, x4, False)
+                    block(w, s, b, y, xq, xs, xo, wt, st, mt, 0, row, rb * rows, rows, x4,
+                          fixed4(m))
+                tail_blocks(w, s, b, y, xq, xs, xo, wt, st, mt, 0, row, m, x4, fixed4(m))
 
     return vnni
 
