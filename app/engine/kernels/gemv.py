@@ -654,7 +654,6 @@ def gemv_q4_vnni_macro(
     nu4 = n4 + int(has_part)  # the 4-group units of a row, the partial one included
     # prefill's blocks of rows (a multiple of 4) sum their lanes together (`rows_sums`) and,
     # with VNNI, take their 4-group units four rows at once
-    combine = True
     tails4 = isa == "vnni" and nu4 > 0
 
     def fixed4(m) -> bool:
@@ -883,7 +882,7 @@ def gemv_q4_vnni_macro(
             for a in T.unroll(rows):
                 f16[T.Ramp(a * ug, 1, ug)] = acc[T.Ramp((rr * rows + a) * ug, 1, ug)]
             finish(w, s, b, y, xq, xs, xo, wt, st, mt, rr, f16, tile * nr + rr, rb * rows, rows,
-                   x4, combine)
+                   x4, True)
 
     @T.macro
     def tail_blocks(w, s, b, y, xq, xs, xo, wt, st, mt, tb, row, m, x4, combined):
@@ -930,10 +929,10 @@ def gemv_q4_vnni_macro(
                     for rb in range(m // rows):
                         for rr in range(nr):
                             block(w, s, b, y, xq, xs, xo, wt, st, mt, rr, tile * nr + rr,
-                                  rb * rows, rows, x4, combine)
+                                  rb * rows, rows, x4, True)
                 for rr in range(nr):
                     tail_blocks(w, s, b, y, xq, xs, xo, wt, st, mt, rr, tile * nr + rr, m, x4,
-                                combine)
+                                True)
         else:
             # a constant m of 4 or more (the MoE experts' blocks of rows) combines as prefill
             # does; decode's one row cannot

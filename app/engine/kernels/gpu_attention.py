@@ -85,8 +85,8 @@ def soft_cap_attention(cap: float) -> None:
             f"localchat can cap (capped: {', '.join(done) or 'none'})")
 
 
-# the largest sink-over-max gap in log2 units 2^x is taken at: beyond it the sink takes all
-# the weight anyway (2^-120 of it is left to the keys), and float32 stays finite
+# 2^(sink - max) is taken with the exponent capped here (log2 units): a sink that far above
+# every score has all the weight anyway, and the sum stays finite in float32
 _SINK_GAP = 120.0
 
 
