@@ -23,6 +23,7 @@ the just-appended key), the rule the CPU kernels follow.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from tvm import relax, tirx
@@ -64,25 +65,31 @@ def soft_capped(func: tirx.PrimFunc, cap: float) -> tuple[tirx.PrimFunc, int]:
     return structural_mutate(func, [(tir_stmt.BufferStore, store)]), rewritten
 
 
-def soft_cap_attention(cap: float) -> None:
-    """Soft-cap the scores of the GPU attention kernels the KV cache just added to the module
-    being built (call right after creating the cache)."""
+def _rewrite_kernels(rewrite: Callable[[str, tirx.PrimFunc], tuple[tirx.PrimFunc, int]],
+                     what: str) -> None:
+    """Apply `rewrite(name, func)` -> (func, stores rewritten) to the GPU attention kernels the
+    KV cache just added to the module being built; those of a chunk's own tokens (ragged) and of
+    decode must both be among the rewritten, or the model is refused."""
     bb = relax.BlockBuilder.current()
-    mod = bb.get()
     done = []
-    for gv, func in mod.functions.items():
+    for gv, func in bb.get().functions.items():
         if isinstance(func, tirx.PrimFunc) and gv.name_hint.startswith(_KERNELS) \
                 and "with_tree_mask" not in gv.name_hint:
-            capped, n = soft_capped(func, cap)
+            new, n = rewrite(gv.name_hint, func)
             if n:
-                bb.update_func(gv, capped)
+                bb.update_func(gv, new)
                 done.append(gv.name_hint)
-    # the chunk's own tokens (ragged), earlier pages and decode must all be capped
     if not any(name.startswith("tir_attention_prefill_ragged") for name in done) or not any(
             name.startswith("tir_attention_decode") for name in done):
         raise UnsupportedModelError(
-            "attention soft-capping on this GPU: TVM's attention kernels are not the ones "
-            f"localchat can cap (capped: {', '.join(done) or 'none'})")
+            f"{what} on this GPU: TVM's attention kernels are not the ones localchat can "
+            f"rewrite (rewritten: {', '.join(done) or 'none'})")
+
+
+def soft_cap_attention(cap: float) -> None:
+    """Soft-cap the scores of the GPU attention kernels the KV cache just added to the module
+    being built (call right after creating the cache)."""
+    _rewrite_kernels(lambda _name, func: soft_capped(func, cap), "attention soft-capping")
 
 
 # 2^(sink - max) is taken with the exponent capped here (log2 units): a sink that far above
@@ -199,23 +206,12 @@ def sink_attention(head_dim: int) -> None:
     """Count attention sinks in the GPU attention kernels the KV cache just added to the
     module being built (call right after creating the cache); `head_dim` is the model's, the
     sink in q's lane `head_dim` of the cache's head_dim + SINK_PAD."""
-    bb = relax.BlockBuilder.current()
-    mod = bb.get()
-    done = []
-    for gv, func in mod.functions.items():
-        if isinstance(func, tirx.PrimFunc) and gv.name_hint.startswith(_KERNELS) \
-                and "with_tree_mask" not in gv.name_hint:
-            ragged = gv.name_hint.startswith("tir_attention_prefill_ragged")
-            sunk, n = with_sinks(func, head_dim, ragged)
-            if n:
-                if n != 2:
-                    raise UnsupportedModelError(
-                        f"attention sinks on this GPU: {gv.name_hint} has {n} final stores, "
-                        f"not the 2 localchat rewrites")
-                bb.update_func(gv, sunk)
-                done.append(gv.name_hint)
-    if not any(name.startswith("tir_attention_prefill_ragged") for name in done) or not any(
-            name.startswith("tir_attention_decode") for name in done):
-        raise UnsupportedModelError(
-            "attention sinks on this GPU: TVM's attention kernels are not the ones localchat "
-            f"can add them to (done: {', '.join(done) or 'none'})")
+
+    def rewrite(name: str, func: tirx.PrimFunc) -> tuple[tirx.PrimFunc, int]:
+        sunk, n = with_sinks(func, head_dim, name.startswith("tir_attention_prefill_ragged"))
+        if n not in (0, 2):
+            raise UnsupportedModelError(f"attention sinks on this GPU: {name} has {n} final "
+                                        f"stores, not the 2 localchat rewrites")
+        return sunk, n
+
+    _rewrite_kernels(rewrite, "attention sinks")
