@@ -111,16 +111,22 @@ def test_the_gpu_form_of_per_layer_rope_equals_hf_rotate_half() -> None:
     np.testing.assert_allclose(got.numpy(), ref, atol=2e-5)
 
 
+def _cuda_target():
+    """An H100's CUDA target (sm_90a) with this CPU as host: exports for a GPU not present."""
+    from tvm.target import Target
+
+    return Target({"kind": "cuda", "arch": "sm_90a", "max_threads_per_block": 1024,
+                   "max_shared_memory_per_block": 49152, "thread_warp_size": 32},
+                  host=cpu_target())
+
+
 def test_gemma_builds_for_a_gpu_with_what_tvm_has() -> None:
     """Gemma 3 (per-layer rope, windows) and Gemma 2 export for CUDA; Gemma 2's attention
     soft-cap, which TVM's GPU attention lacks, is written into its kernels' scores (prefill of
     a chunk's own tokens, of earlier pages, decode; windowed and not), and into no others."""
     from tvm import tirx
-    from tvm.target import Target
 
-    cuda = Target({"kind": "cuda", "arch": "sm_90a", "max_threads_per_block": 1024,
-                   "max_shared_memory_per_block": 49152, "thread_warp_size": 32},
-                  host=cpu_target())
+    cuda = _cuda_target()
     hf = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
           "vocab_size": 300, "max_position_embeddings": 128, "sliding_window": 8,
@@ -151,13 +157,10 @@ def test_moe_builds_for_a_gpu() -> None:
     reduction each: no CPU kernel); the asymmetric modes, whose reads dlight cannot inline,
     are refused by name."""
     from tvm import tirx
-    from tvm.target import Target
 
     from localchat.errors import UnsupportedModelError
 
-    cuda = Target({"kind": "cuda", "arch": "sm_90a", "max_threads_per_block": 1024,
-                   "max_shared_memory_per_block": 49152, "thread_warp_size": 32},
-                  host=cpu_target())
+    cuda = _cuda_target()
     arch = get_architecture("qwen3_moe")
     cfg = arch.config_from_hf({
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,
@@ -182,11 +185,8 @@ def test_gpt_oss_builds_for_a_gpu_with_its_sinks_in_tvms_kernels() -> None:
     decode; windowed and not: the output and the LSE of each), and the model applies its YaRN
     rope itself (TVM's would pair the padded head's lanes)."""
     from tvm import tirx
-    from tvm.target import Target
 
-    cuda = Target({"kind": "cuda", "arch": "sm_90a", "max_threads_per_block": 1024,
-                   "max_shared_memory_per_block": 49152, "thread_warp_size": 32},
-                  host=cpu_target())
+    cuda = _cuda_target()
     arch = get_architecture("gpt_oss")
     cfg = arch.config_from_hf({
         "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 64,
