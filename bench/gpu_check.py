@@ -165,6 +165,11 @@ def prepare_speed(root: Path, arch: str, gguf: Path) -> None:
         print(f"speed {quant}: prepared", flush=True)
 
 
+def _rel_err(ours: np.ndarray, reference: np.ndarray) -> float:
+    """The largest error relative to the reference's largest magnitude."""
+    return float(np.abs(ours - reference).max() / np.abs(reference).max())
+
+
 def _check(model_dir: Path, case: dict[str, Any], reference: np.ndarray, quant: str,
            device: str = "cuda"
            ) -> dict[str, Any]:
@@ -176,7 +181,7 @@ def _check(model_dir: Path, case: dict[str, Any], reference: np.ndarray, quant: 
     prompt, tokens = case["prompt"], case["tokens"]
     ours = np.stack(run_teacher_forced(model, prompt, tokens))
     top1 = float(np.mean(ours.argmax(-1) == reference.argmax(-1)))
-    err = float(np.abs(ours - reference).max() / np.abs(reference).max())
+    err = _rel_err(ours, reference)
     # the prompt fed one token at a time (decode steps only): tells a prefill fault from a
     # decode one
     seq = model.new_sequence()
@@ -186,7 +191,7 @@ def _check(model_dir: Path, case: dict[str, Any], reference: np.ndarray, quant: 
     model.remove(seq)
     stepwise = np.stack(stepwise[len(prompt) - 1:])
     step_top1 = float(np.mean(stepwise.argmax(-1) == reference.argmax(-1)))
-    step_err = float(np.abs(stepwise - reference).max() / np.abs(reference).max())
+    step_err = _rel_err(stepwise, reference)
     # a sequence forked from another past a page (16 tokens): its attention runs over the
     # shared block and its own (two depths, merged), as the prefix cache's forks do
     parent = model.new_sequence()
@@ -197,11 +202,10 @@ def _check(model_dir: Path, case: dict[str, Any], reference: np.ndarray, quant: 
         forked.append(model.decode([child], [tok])[0])
     model.remove(child)
     model.remove(parent)
-    fork_err = float(np.abs(np.stack(forked) - ours[:9]).max() / np.abs(ours[:9]).max())
+    fork_err = _rel_err(np.stack(forked), ours[:9])
     greedy = run_greedy(model, prompt, STEPS)
     pairs = batched_and_alone(model, [prompt, prompt[:7], prompt[3:16]], steps=4)
-    batched = max(float(np.abs(np.stack(a) - np.stack(b)).max() / np.abs(np.stack(b)).max())
-                  for a, b in pairs)
+    batched = max(_rel_err(np.stack(a), np.stack(b)) for a, b in pairs)
     seq = model.new_sequence()
     tok = int(np.argmax(model.prefill(seq, prompt)))
     t0 = time.perf_counter()

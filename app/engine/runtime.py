@@ -262,10 +262,10 @@ class Model:
         A paged KV cache shares the parent's whole pages with the child (copy-on-write of the
         partial last page only), so the parent may be removed while the child lives; where
         `forks_share_pages` is False the child runs the parent's first `at` tokens again."""
+        n = len(parent) if at is None else at
+        if not 0 <= n <= len(parent) or (n != len(parent) and not self.supports_rollback):
+            raise GenerationError(f"cannot fork a {len(parent)}-token sequence at {n}")
         if not self.forks_share_pages and self.state_kind != "rnn":
-            n = len(parent) if at is None else at
-            if not 0 <= n <= len(parent):
-                raise GenerationError(f"cannot fork a {len(parent)}-token sequence at {n}")
             child = self.new_sequence()
             if n:
                 try:
@@ -279,9 +279,6 @@ class Model:
                 raise GenerationError(
                     f"at most {self.max_batch_size} sequences can be held at once"
                 )
-            n = len(parent) if at is None else at
-            if not 0 <= n <= len(parent) or (n != len(parent) and not self.supports_rollback):
-                raise GenerationError(f"cannot fork a {len(parent)}-token sequence at {n}")
             child = Sequence(self._next_id, parent.tokens[:n])
             self._next_id += 1
             self._kv_fork(self.state, parent.seq_id, child.seq_id, -1 if n == len(parent) else n)

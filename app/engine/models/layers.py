@@ -79,6 +79,13 @@ class BuildContext:
         return self.target_kind == "llvm"
 
 
+def _nibble(words: te.Tensor, row, col) -> tirx.PrimExpr:
+    """The 4-bit code of weight [row, col] in its packed uint32 word (8 a word, low first)."""
+    word = words[row, col // NIBBLES_PER_WORD]
+    shift = ((col % NIBBLES_PER_WORD) * 4).astype("uint32")
+    return tirx.bitwise_and(tirx.shift_right(word, shift), tirx.const(15, "uint32"))
+
+
 def _dequant_value(
     words: te.Tensor, scale: te.Tensor, row, col, dtype: str, asym: bool = False
 ) -> tirx.PrimExpr:
@@ -89,9 +96,7 @@ def _dequant_value(
     if words.dtype == Q8_DTYPE:
         value = words[row, col].astype("float32") * scale[row, group].astype("float32")
         return value.astype(dtype)
-    word = words[row, col // NIBBLES_PER_WORD]
-    shift = ((col % NIBBLES_PER_WORD) * 4).astype("uint32")
-    nibble = tirx.bitwise_and(tirx.shift_right(word, shift), tirx.const(15, "uint32"))
+    nibble = _nibble(words, row, col)
     if asym:
         layout = asym_layout(scale.dtype)
         kg = (words.shape[1] * NIBBLES_PER_WORD) // GROUP_SIZE
@@ -105,9 +110,7 @@ def _dequant_value(
 def _mx_value(words: te.Tensor, exponents: te.Tensor, row, col, dtype: str) -> tirx.PrimExpr:
     """Weight [row, col] of an MXFP4 matrix (FP4 E2M1 codes in 4-bit words, uint8 E8M0
     exponents per group of 32: FP4(code) * 2^(e - 127)), as `dtype`: exact in float32."""
-    word = words[row, col // NIBBLES_PER_WORD]
-    shift = ((col % NIBBLES_PER_WORD) * 4).astype("uint32")
-    code = tirx.bitwise_and(tirx.shift_right(word, shift), tirx.const(15, "uint32"))
+    code = _nibble(words, row, col)
     low = tirx.bitwise_and(code, tirx.const(7, "uint32"))
     magnitude = tirx.const(6.0, "float32")
     for c in range(6, -1, -1):  # a select chain over the 8 magnitudes (0 .. 6)
@@ -431,8 +434,8 @@ def yarn_factors(scaling: dict[str, Any], theta: float, rotary_dim: int) -> list
         high += 0.001
     divisors = []
     for k in range(rotary_dim // 2):
-        extrapolated = 1.0 - min(max((k - low) / (high - low), 0.0), 1.0)
-        divisors.append(1.0 / ((1.0 - extrapolated) / factor + extrapolated))
+        ramp = min(max((k - low) / (high - low), 0.0), 1.0)  # 0: extrapolated, 1: interpolated
+        divisors.append(1.0 / (ramp / factor + 1.0 - ramp))
     return divisors
 
 
