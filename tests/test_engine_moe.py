@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from localchat.engine.build import gguf as lg
+from localchat.engine.build.q6_k import dequantize_q6_k, holds, quantize_q6_k
 from localchat.engine.build.quantization import (
     dequantize_mx,
     dequantize_q4,
@@ -54,6 +55,8 @@ def _round_trip(w: torch.Tensor, quant: str) -> torch.Tensor:
     back."""
     a = w.detach().float().numpy()
     k = a.shape[1]
+    if quant == "Q6_K":
+        return torch.from_numpy(dequantize_q6_k(*quantize_q6_k(a)))
     if quant == "q8f32_0":
         return torch.from_numpy(dequantize_q8(*quantize_q8(a), k))
     if quant == "q4f32_asym":
@@ -67,8 +70,12 @@ def _quantize_like_convert(hf, quant: str) -> None:
     """Every weight our 4-bit conversion quantizes replaced, in place, by its round trip: the
     Linears, the embedding and the experts' stacked projections (quantized row by row, so
     stacking the experts changes nothing); the routers stay float, as ours."""
-    # the modes holding a llama.cpp type keep the embedding and the LM head in 8 bits
-    head = "q8f32_0" if get_quant_mode(quant).head_bits == 8 else quant
+    # the modes holding a llama.cpp type keep the embedding and the LM head in 8 bits (q4f32_k
+    # in Q6_K where their rows are whole super-blocks)
+    mode = get_quant_mode(quant)
+    head = "q8f32_0" if mode.head_bits == 8 else quant
+    if mode.head_format and holds(hf.model.embed_tokens.weight.shape[1]):
+        head = mode.head_format
     with torch.no_grad():
         for module in hf.modules():
             if isinstance(module, torch.nn.Linear):

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from localchat.engine.build.q6_k import dequantize_q6_k
 from localchat.engine.build.quantization import (
     dequantize_q4,
     dequantize_q8,
@@ -274,7 +275,7 @@ def test_q4_k_blocks_round_trip_exactly_in_4_625_bits() -> None:
     assert np.abs(back - f).max() <= scale_min[:, 0::2].max() / 2 * 1.001
     assert np.abs(back - f).max() < 0.25
     mode = get_quant_mode("q4f32_k")
-    assert mode.asymmetric and mode.group_dtype == "uint8" and mode.head_bits == 8
+    assert mode.asymmetric and mode.group_dtype == "uint8" and mode.head_format == "Q6_K"
 
 
 @pytest.mark.parametrize("k", [344, 512 + 96])  # a partial super-block; whole units and a tail
@@ -395,21 +396,27 @@ def test_q4_k_m_gguf_defaults_to_q4f32_k_which_holds_its_q4_k_blocks(q4_k_m_gguf
                     assert np.abs(mine - value).max() <= step / 2 * 1.001, t.name
                 row += rows
     assert kinds == {"Q4_K", "Q6_K"}
+    # the output head, Q6_K in the file, is held in Q6_K: exactly llama.cpp's values
+    assert gf.tensors["output.weight"].type_name == "Q6_K"
+    assert params["lm_head.weight"].dtype == np.uint8
+    head = dequantize_q6_k(params["lm_head.weight"], params["lm_head.scale"])
+    assert np.array_equal(head, gf.tensor_values("output.weight"))
     model = Model(out, "cpu")
     seq = model.new_sequence()
     logits = model.prefill(seq, model.tokenizer.encode("hello world"))
     assert np.isfinite(logits).all()
     assert np.isfinite(model.decode([seq], [int(np.argmax(logits))])).all()
 
-    # a q4f32_k directory of the old layout (format 1: float32 scales and mins) is refused
-    # with what to do, not misread
+    # a q4f32_k directory of an old layout (format 1: float32 scales and mins; format 2: an
+    # 8-bit head) is refused with what to do, not misread
     import json
 
     from localchat import model_dir as md
     from localchat.errors import ModelConfigError
 
     config = json.loads((out / md.CONFIG_FILE).read_text())
-    assert config["format"] == 2
+    assert config["format"] == 3
     md.validate_config({**config, "quantization": "q4f32_1", "format": 1})
-    with pytest.raises(ModelConfigError, match="older localchat.*convert the model again"):
-        md.validate_config({**config, "format": 1})
+    for old in (1, 2):
+        with pytest.raises(ModelConfigError, match="older localchat.*convert the model again"):
+            md.validate_config({**config, "format": old})

@@ -23,6 +23,7 @@ import numpy as np
 
 from localchat import model_dir as md
 from localchat.engine.build.pooling import is_sentence_transformers
+from localchat.engine.build.q6_k import quantize_q6_k
 from localchat.engine.build.quantization import (
     QuantMode,
     get_quant_mode,
@@ -119,7 +120,11 @@ def _model_params(
             raise WeightsError(f"internal: converter produced unknown parameter {name}")
         value = np.asarray(value, dtype=np.float32)
         prefix = name[: -len("weight")]
-        if prefix + "scale" in expected and str(expected[name].dtype) == "int8":
+        if prefix + "scale" in expected and str(expected[name].dtype) == "uint8":
+            # the Q6_K embedding / LM head of q4f32_k
+            q, params = quantize_q6_k(value)
+            pairs = [(name, q), (prefix + "scale", params)]
+        elif prefix + "scale" in expected and str(expected[name].dtype) == "int8":
             # the 8-bit embedding / LM head of the asymmetric modes
             q, scale = quantize_q8(value)
             pairs = [(name, q), (prefix + "scale", scale)]

@@ -177,10 +177,11 @@ def exact_quantization(path: Path) -> str | None:
     "q4f32_asym" when every weight matrix but the embedding / output head is Q4_1, "q4f32_0"
     when every one is Q4_0 (llama.cpp's Q4_1 and Q4_0 files; a Q8_0 or Q4_0 embedding / head is
     held exactly too, a Q6_K one to 8 bits), "q4f32_k" when they are Q4_K, or Q4_K and Q6_K as
-    in Q4_K_M files (the Q4_K blocks exactly; the Q6_K matrices, a few attn_v and ffn_down,
-    re-quantized to 4 bits), "q8f32_0" when they are Q8_0, "q4f32_mx" when experts are MXFP4
-    (held exactly, Q8_0 matrices too, others to 8 bits). The import dequantizes to float32
-    and the mode's quantizer finds each group's block parameters again (`quantization`).
+    in Q4_K_M files (the Q4_K blocks and a Q6_K head exactly; the Q6_K matrices, a few attn_v
+    and ffn_down, re-quantized to 4 bits), "q8f32_0" when they are Q8_0, "q4f32_mx" when
+    experts are MXFP4 (held exactly, Q8_0 matrices too, others to 8 bits). The import
+    dequantizes to float32 and the mode's quantizer finds each group's block parameters again
+    (`quantization`).
     None otherwise."""
     types = matrix_types(read_gguf(path))
     if "Q4_K" in types and types <= {"Q4_K", "Q6_K"}:

@@ -35,7 +35,10 @@ came from a Q4_K block keeps its d, dmin, sc, m and q exactly. Other super-block
 the rows of Q4_K_M's Q6_K tensors, some attn_v and ffn_down) are quantized as llama.cpp's simple
 Q4_K quantizer does: min clamped to <= 0, scale (max - min) / 15, d = the largest scale / 63 and
 dmin = the largest -min / 63 as float16, sc and m rounded to 6 bits, q from the 6-bit values.
-A Q4_K_M file's Q6_K matrices are thus not held exactly.
+A Q4_K_M file's Q6_K matrices are thus not held exactly; its Q6_K head is: q4f32_k keeps the
+token embedding and LM head in Q6_K (`q6_k`, 6.5625 bits a weight, as llama.cpp keeps them) where
+their rows are whole super-blocks of 256, else in the 8-bit layout below (llama.cpp's Q8_0
+fallback for such rows).
 
 `q4f32_0` and `q4f16_0` hold llama.cpp's Q4_0: the symmetric modes' arithmetic, (q - 8) * d, with
 d stored as float16 whatever the activation type, so 32 weights take 18 bytes as in a Q4_0 block.
@@ -48,13 +51,13 @@ asymmetric modes (llama.cpp's Q4_0 files keep the output head in Q6_K, held to 8
 token embedding of an untied model in Q4_0, which the 8-bit quantizer holds exactly: each group's
 scale is then |d| and its values q - 8).
 
-In the asymmetric modes the token embedding table and the LM head (tied to it or not) are 8-bit
-instead, as llama.cpp keeps them in its Q4_1 files (Q8_0 or Q6_K): per group of 32 a float16
-scale (max |w| / 127) and int8 values q in [-127, 127], value q * scale, stored as an int8 matrix
-[N, Kp] (zero padding), 34 bytes per 32 weights. A Q8_0 tensor round-trips exactly. With the
-embedding re-quantized to 4 bits instead, SmolLM2-135M's greedy top-1 agreement with q0f32 is
-87% (its Q4_1 GGUF holds the embedding in Q8_0, the rest round-trips exactly); with 8 bits, 100%
-in float arithmetic.
+In the asymmetric modes (q4f32_k: where not Q6_K) the token embedding table and the LM head (tied to
+it or not) are 8-bit instead, as llama.cpp keeps them in its Q4_1 files (Q8_0 or Q6_K): per group of
+32 a float16 scale (max |w| / 127) and int8 values q in [-127, 127], value q * scale, stored as an
+int8 matrix [N, Kp] (zero padding), 34 bytes per 32 weights. A Q8_0 tensor round-trips exactly. With
+the embedding re-quantized to 4 bits instead, SmolLM2-135M's greedy top-1 agreement with q0f32 is
+87% (its Q4_1 GGUF holds the embedding in Q8_0, the rest round-trips exactly); with 8 bits, 100% in
+float arithmetic.
 
 `q8f32_0` and `q8f16_0` hold llama.cpp's Q8_0: every weight matrix in that 8-bit layout (the
 embedding and LM head too), run by the 8-bit GEMV (`kernels.gemv.gemv_q8`) at every step and in
@@ -95,6 +98,7 @@ class QuantMode:
     gguf_type: str = ""  # the llama.cpp block type the mode holds exactly ("Q4_0", "Q4_1", "Q4_K")
     scale_type: str = ""  # the group parameters' type when not the default (`group_dtype`)
     experts: str = ""  # the MoE experts' format when not the mode's own ("MXFP4")
+    head_format: str = ""  # the embedding / LM head's llama.cpp type when not 8-bit ("Q6_K")
 
     @property
     def quantized(self) -> bool:
@@ -103,7 +107,8 @@ class QuantMode:
     @property
     def head_bits(self) -> int:
         """Weight bits of the token embedding and the LM head: 8 in the modes that hold a
-        llama.cpp type (Q4_0, Q4_1, Q4_K), as llama.cpp keeps them (Q8_0, Q6_K)."""
+        llama.cpp type (Q4_0, Q4_1, Q4_K), as llama.cpp keeps them (Q8_0, Q6_K); q4f32_k's
+        are Q6_K (`head_format`) where their rows are whole super-blocks."""
         return 8 if self.gguf_type else self.bits
 
     @property
@@ -144,7 +149,7 @@ QUANT_MODES: dict[str, QuantMode] = {
         QuantMode("q4f32_0", 4, "float32", gguf_type="Q4_0"),
         QuantMode("q4f16_0", 4, "float16", gguf_type="Q4_0"),
         QuantMode("q4f32_k", 4, "float32", asymmetric=True, gguf_type="Q4_K",
-                  scale_type=K_SCALE_DTYPE),
+                  scale_type=K_SCALE_DTYPE, head_format="Q6_K"),
         QuantMode("q8f32_0", 8, "float32", gguf_type="Q8_0"),
         QuantMode("q4f32_mx", 8, "float32", gguf_type="Q8_0", experts="MXFP4"),
         QuantMode("q8f16_0", 8, "float16", gguf_type="Q8_0"),

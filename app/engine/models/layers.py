@@ -20,7 +20,9 @@ In the asymmetric modes a 4-bit weight's `scale` holds each group's scale and mi
 that holds a llama.cpp type (`QuantMode.gguf_type`:
 the asymmetric ones, q4f32_0 / q4f16_0) the token embedding and the LM head are 8-bit (int8
 values, a float16 scale per group: `quantization.quantize_q8`), run by `gemv.gemv_q8`; an int8
-weight is the 8-bit layout, so `linear` needs no flag beyond the mode. In the 8-bit modes
+weight is the 8-bit layout, so `linear` needs no flag beyond the mode. q4f32_k keeps them in
+llama.cpp's Q6_K instead where their rows are whole super-blocks (uint8 codes and parameters,
+`build.q6_k`), run by `gemv_q6.gemv_q6_k`. In the 8-bit modes
 (llama.cpp's Q8_0) every weight matrix has that layout and runs `gemv_q8` at every step. The
 kernels get the group parameters' type from the mode (`QuantMode.group_dtype`: q4f32_0's
 scales are float16 under float32 activations).
@@ -37,6 +39,7 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 from tvm.target import Target
 
+from localchat.engine.build import q6_k
 from localchat.engine.build.quantization import (
     FP4_VALUES,
     GROUP_SIZE,
@@ -44,12 +47,13 @@ from localchat.engine.build.quantization import (
     QuantMode,
     padded_k,
 )
-from localchat.engine.kernels import elementwise, matmul
+from localchat.engine.kernels import elementwise, gemv_q6, matmul
 from localchat.engine.kernels import gemv as gemv_kernels
 from localchat.engine.kernels.common import asym_layout, gemv_isa, group_param, wide_registers
 from localchat.engine.kernels.gemm import NR as PANEL_WIDTH
 
 Q8_DTYPE = "int8"  # the 8-bit layout's weight dtype (the 4-bit one's is uint32 words)
+Q6_DTYPE = "uint8"  # Q6_K's codes (`build.q6_k`): the embedding / LM head of q4f32_k
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,8 @@ def _dequant_value(
     `scale`) or 8-bit (int8 `words`: q * scale) matrix, as `dtype`; the asymmetric and 8-bit
     forms compute in float32 (q * scale is exact there) and round once."""
     group = col // GROUP_SIZE
+    if words.dtype == Q6_DTYPE:
+        return _q6_value(words, scale, row, col).astype(dtype)
     if words.dtype == Q8_DTYPE:
         value = words[row, col].astype("float32") * scale[row, group].astype("float32")
         return value.astype(dtype)
@@ -105,6 +111,30 @@ def _dequant_value(
         return value.astype(dtype)
     # the scale may be float16 under float32 activations (the modes holding llama.cpp's Q4_0)
     return (nibble.astype("int32") - 8).astype(dtype) * scale[row, group].astype(dtype)
+
+
+def _q6_value(codes: te.Tensor, params: te.Tensor, row, col) -> tirx.PrimExpr:
+    """Weight [row, col] of a Q6_K matrix (`build.q6_k`'s layout) in float32: (d * sc) *
+    (q - 32), as llama.cpp computes it (exact)."""
+    k = int(params.shape[1]) * q6_k.SUPER // (q6_k.SUPER // q6_k.SUB + 2)
+    sb, j = col // q6_k.SUPER, col % q6_k.SUPER
+    e, t = j // q6_k.SUB, j % q6_k.SUB
+    v, b = t // 4, t % 4
+    base = sb * q6_k.CODE_BYTES + 4 * e + b
+    low = tirx.bitwise_and(tirx.shift_right(
+        codes[row, base + (v // 2) * 64].astype("uint32"), ((v % 2) * 4).astype("uint32")),
+        tirx.const(15, "uint32"))
+    high = tirx.bitwise_and(tirx.shift_right(
+        codes[row, base + 128].astype("uint32"), (v * 2).astype("uint32")),
+        tirx.const(3, "uint32"))
+    q = tirx.bitwise_or(low, tirx.shift_left(high, tirx.const(4, "uint32"))).astype("int32")
+    sc = tirx.reinterpret("int8", params[row, sb * q6_k.SUBS + e]).astype("float32")
+    at = k // q6_k.SUB + 2 * sb
+    bits = tirx.bitwise_or(params[row, at].astype("uint16"),
+                           tirx.shift_left(params[row, at + 1].astype("uint16"),
+                                           tirx.const(8, "uint16")))
+    d = tirx.reinterpret("float16", bits).astype("float32")
+    return (d * sc) * (q - 32).astype("float32")
 
 
 def _mx_value(words: te.Tensor, exponents: te.Tensor, row, col, dtype: str) -> tirx.PrimExpr:
@@ -135,6 +165,9 @@ def _quantized_params(
     if experts and mode.experts == "MXFP4":
         return (nn.Parameter((rows, kp // NIBBLES_PER_WORD), "uint32"),
                 nn.Parameter((rows, groups), "uint8"))
+    if head and mode.head_format == "Q6_K" and q6_k.holds(cols):
+        return (nn.Parameter((rows, q6_k.code_width(cols)), Q6_DTYPE),
+                nn.Parameter((rows, q6_k.param_width(cols)), "uint8"))
     if mode.bits == 8 or (head and mode.head_bits == 8):
         # the 8-bit layout's scales are float16 in every mode (`quantization.quantize_q8`)
         return nn.Parameter((rows, kp), Q8_DTYPE), nn.Parameter((rows, groups), "float16")
@@ -215,7 +248,8 @@ def linear(
     k = x.shape[-1]
     lead = list(x.shape[:-1])
     q8 = mode.quantized and weight.dtype == Q8_DTYPE
-    asym = mode.asymmetric and not q8
+    q6 = mode.quantized and weight.dtype == Q6_DTYPE
+    asym = mode.asymmetric and not q8 and not q6
     sdt = mode.group_dtype if mode.quantized else None  # the 4-bit scales' type
     if target_kind == "llvm":
         rows = 1
@@ -223,10 +257,11 @@ def linear(
             rows = rows * d
         x2 = op.reshape(x, (rows, k))
         func_is_gemv = gemv and (mode.quantized or bias is None)
-        if q8:
+        if q8 or q6:
             # the LM head, always a few rows (one kernel for every step, as the 4-bit head's)
             func_is_gemv = True
-            func = gemv_kernels.gemv_q8(int(k), int(n), mode.dtype, avx512, bias is not None)
+            func = (gemv_q6.gemv_q6_k if q6 else gemv_kernels.gemv_q8)(
+                int(k), int(n), mode.dtype, avx512, bias is not None)
         elif gemv and mode.quantized:
             func = gemv_kernels.gemv_q4(int(k), int(n), mode.dtype, avx512, bias is not None, asym,
                                         sdt)
@@ -260,13 +295,13 @@ def linear(
     # GPUs: one x times W^T with the dequantization inline, accumulated in float32. As
     # dequantize -> permute_dims -> matmul, each call wrote a dequantized, transposed copy of
     # the weight (decode on an H100 at 2% of its bandwidth: those copies were the time).
-    if asym:
-        # the scale and min of a group, two reads of one row, fail dlight's one-element access
-        # analysis when inlined: dequantized apart (the asymmetric modes hold GGUF Q4_1 files
-        # for the CPU)
+    if asym or q6:
+        # the scale and min of a group (Q6_K: a sub-block's sc and its super-block's d), two
+        # reads of one row, fail dlight's one-element access analysis when inlined: dequantized
+        # apart (the modes holding GGUF types are meant for the CPU)
         w = op.tensor_expr_op(
             lambda words, sc: te.compute(
-                (n, k), lambda i, j: _dequant_value(words, sc, i, j, mode.dtype, True),
+                (n, k), lambda i, j: _dequant_value(words, sc, i, j, mode.dtype, asym),
                 name="dequantize"),
             "dequantize", args=[weight, scale])
         out = op.matmul(x, op.permute_dims(w))

@@ -1,0 +1,240 @@
+"""The LM head's GEMV for weights held in Q6_K (`build.q6_k`): y[m, n] = x[m, k] @ W[n, k]^T.
+
+The head is a few rows of x against the largest matrix of a small model (a 3B Llama's is 394M
+weights), so it runs at the speed its bytes stream from memory: Q6_K's 6.56 bits a weight read
+23% fewer bytes than the 8-bit head, and hold llama.cpp's Q6_K head exactly.
+
+A super-block (256 weights) is three 64-byte loads (`build.q6_k`'s layout): two of low nibbles,
+one of high bit pairs; masks and shifts make four vectors of 64 codes (0..63) as bytes, lane e
+(4 bytes) of each belonging to sub-block e. x is quantized once per call to int8 per group of
+32 (scale max |x| / 127, as the other int8 GEMVs), laid out to match: word v * 16 + e of a
+super-block holds the 4 values of quad v of sub-block e. With VNNI, `vpdpbusd` multiplies the
+unsigned codes by the signed x (AVX2: pmaddubsw + pmaddwd, the same integers), each lane
+starting from -32 times its sub-block's x sum, so after four a lane holds sum (q - 32) x of its
+16 weights exactly; it is converted once and multiplied by d * sc times x's group scale. Without
+an int8 ISA the same loop runs in float: x permuted the same way (float), each code byte
+converted and multiplied, the -32 applied through the sub-block's float x sum.
+
+Rows of x run inside in blocks of 8 sharing the unpacked vectors and the scales; a row's
+operations are the same whatever the block, so a sequence's logits do not depend on the batch.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from localchat.engine.build.q6_k import CODE_BYTES, SUB, SUBS, SUPER, param_width
+from localchat.engine.kernels.common import INT8_ISAS, LANES, lane_tree, scheduled
+from localchat.engine.kernels.gemv import (
+    _add,
+    _dpbusd,
+    _madd_pairs,
+    _maddubs,
+    _many_rows,
+    _store_macro,
+)
+
+F32 = "float32"
+I32 = "int32"
+ROWS = 8  # rows of x sharing each unpacked super-block
+GROUP = 32  # values of x sharing one int8 scale
+QUADS = 4  # 4-code quads per sub-block: the four vectors of a super-block
+U32 = f"uint32x{LANES}"
+V32 = f"float32x{LANES}"
+
+
+def _bcast_u32(value: int):
+    return T.Broadcast(T.uint32(value), LANES)
+
+
+def _codes(w, row, sb, v: int):
+    """Vector v (0..3) of super-block sb of row `row`: 64 codes as bytes in 16 uint32 lanes."""
+    base = sb * CODE_BYTES
+
+    def load(offset: int):
+        return T.reinterpret(U32, w[row, T.Ramp(base + offset, 1, 4 * LANES)])
+
+    nibbles = load(64 * (v // 2))
+    if v % 2 == 1:
+        nibbles = T.shift_right(nibbles, _bcast_u32(4))
+    low = T.bitwise_and(nibbles, _bcast_u32(0x0F0F0F0F))
+    high = T.bitwise_and(T.shift_right(load(128), _bcast_u32(2 * v)), _bcast_u32(0x03030303))
+    return T.bitwise_or(low, T.shift_left(high, _bcast_u32(4)))
+
+
+def _d(s, row, k: int, sb):
+    """Super-block sb's d (float32) from its little-endian float16 bytes after the sc bytes."""
+    at = k // SUB + 2 * sb
+    bits = T.bitwise_or(
+        T.Cast("uint16", s[row, at]), T.shift_left(T.Cast("uint16", s[row, at + 1]), T.uint16(8))
+    )
+    return T.Cast(F32, T.reinterpret("float16", bits))
+
+
+def _step(s, row, k: int, sb):
+    """d * sc of super-block sb's 16 sub-blocks, one per lane (exact in float32)."""
+    sc = T.Cast(V32, T.reinterpret(f"int8x{LANES}", s[row, T.Ramp(sb * SUBS, 1, SUBS)]))
+    return sc * T.Broadcast(_d(s, row, k, sb), LANES)
+
+
+def q6_gemv_macro(k: int, n: int, dtype: str, bias: bool, isa: bool | str):
+    """The macro `(x, w, s, b, y, m)` over x [m, k], codes w [n, 3k/4] uint8, parameters
+    s [n, k/16 + k/128] uint8, b [n] (None without `bias`) and y [m, n]; `isa` "vnni" or "avx2"
+    for the int8 forms, anything else for float arithmetic."""
+    nsb = k // SUPER
+    int8 = isa in INT8_ISAS
+    store = _store_macro(dtype, bias)
+
+    @T.macro
+    def prep_int8(x, xq, xe, xo, r):
+        sc = T.alloc_buffer((2,), F32)
+        qv = T.alloc_buffer((GROUP,), I32)
+        for g in range(k // GROUP):
+            xv = T.Cast(f"float32x{GROUP}", x[r, T.Ramp(g * GROUP, 1, GROUP)])
+            sc[0] = lane_tree(T.fabs(xv), GROUP, T.max)
+            sc[1] = T.Select(sc[0] > T.float32(0), T.float32(127) / sc[0], T.float32(0))
+            qv[T.Ramp(0, 1, GROUP)] = T.Cast(
+                f"int32x{GROUP}", T.nearbyint(xv * T.Broadcast(sc[1], GROUP)))
+            for h in range(GROUP // SUB):
+                sub = g * (GROUP // SUB) + h  # sub-block index along the row
+                at = (sub // SUBS) * SUBS * QUADS + sub % SUBS
+                xe[r, sub] = sc[0] / T.float32(127)
+                xo[r, sub] = T.int32(-32) * lane_tree(qv[T.Ramp(h * SUB, 1, SUB)], SUB, _add)
+                xq[r, T.Ramp(at, SUBS, QUADS)] = T.reinterpret(
+                    f"int32x{QUADS}", T.Cast(f"int8x{SUB}", qv[T.Ramp(h * SUB, 1, SUB)]))
+
+    @T.macro
+    def prep_float(x, xp, xs, r):
+        for sub in range(k // SUB):
+            base = (sub // SUBS) * SUPER + sub % SUBS
+            xs[r, sub] = lane_tree(T.Cast(V32, x[r, T.Ramp(sub * SUB, 1, SUB)]), SUB, _add)
+            for t in range(SUB):  # code t = 4 v + b of the sub-block: at v * 64 + b * 16 + e
+                xp[r, base + (t // QUADS) * QUADS * SUBS + (t % QUADS) * SUBS] = T.Cast(
+                    F32, x[r, sub * SUB + t])
+
+    def int8_dot(acc, codes, xq, r, sb, v: int):
+        xw = xq[r, T.Ramp(sb * SUBS * QUADS + v * SUBS, 1, SUBS)]
+        if isa == "avx2":
+            return acc + _madd_pairs(_maddubs(codes, xw, LANES), LANES)
+        return _dpbusd(acc, codes, xw, LANES)
+
+    def float_dot(wv, xp, r, sb):
+        """sum over a sub-block's 16 codes of q * x, one sub-block per lane (float)."""
+        total = None
+        for v in range(QUADS):
+            for byte in range(4):
+                q = T.Cast(V32, T.bitwise_and(
+                    T.shift_right(wv[T.Ramp(v * LANES, 1, LANES)], _bcast_u32(8 * byte)),
+                    _bcast_u32(0xFF)))
+                term = q * xp[r, T.Ramp(sb * SUPER + v * QUADS * SUBS + byte * SUBS, 1, SUBS)]
+                total = term if total is None else total + term
+        return total
+
+    @T.macro
+    def block(w, s, b, y, xq, xe, xo, row, r0, nrows):
+        wv = T.alloc_buffer((QUADS * LANES,), "uint32")
+        ws = T.alloc_buffer((LANES,), F32)
+        f = T.alloc_buffer((nrows * LANES,), F32)
+        for a in T.unroll(nrows):
+            f[T.Ramp(a * LANES, 1, LANES)] = T.Broadcast(T.float32(0), LANES)
+        for sb in range(nsb):
+            # (the vector index picks masks and shifts: Python constants, so four stores)
+            wv[T.Ramp(0, 1, LANES)] = _codes(w, row, sb, 0)
+            wv[T.Ramp(LANES, 1, LANES)] = _codes(w, row, sb, 1)
+            wv[T.Ramp(2 * LANES, 1, LANES)] = _codes(w, row, sb, 2)
+            wv[T.Ramp(3 * LANES, 1, LANES)] = _codes(w, row, sb, 3)
+            ws[T.Ramp(0, 1, LANES)] = _step(s, row, k, sb)
+            for rr in T.unroll(nrows):
+                if int8:
+                    f[T.Ramp(rr * LANES, 1, LANES)] = f[T.Ramp(rr * LANES, 1, LANES)] + T.Cast(
+                        V32,
+                        int8_dot(int8_dot(int8_dot(int8_dot(
+                            xo[r0 + rr, T.Ramp(sb * SUBS, 1, SUBS)],
+                            wv[T.Ramp(0, 1, LANES)], xq, r0 + rr, sb, 0),
+                            wv[T.Ramp(LANES, 1, LANES)], xq, r0 + rr, sb, 1),
+                            wv[T.Ramp(2 * LANES, 1, LANES)], xq, r0 + rr, sb, 2),
+                            wv[T.Ramp(3 * LANES, 1, LANES)], xq, r0 + rr, sb, 3),
+                    ) * (ws[T.Ramp(0, 1, LANES)] * xe[r0 + rr, T.Ramp(sb * SUBS, 1, SUBS)])
+                else:
+                    f[T.Ramp(rr * LANES, 1, LANES)] = f[T.Ramp(rr * LANES, 1, LANES)] + (
+                        float_dot(wv, xq, r0 + rr, sb)
+                        - T.Broadcast(T.float32(32), LANES)
+                        * xe[r0 + rr, T.Ramp(sb * SUBS, 1, SUBS)]
+                    ) * ws[T.Ramp(0, 1, LANES)]
+        for rr in range(nrows):
+            store(y, b, r0 + rr, row, lane_tree(f[T.Ramp(rr * LANES, 1, LANES)], LANES, _add))
+
+    @T.macro
+    def rows_of_x(w, s, b, y, xq, xe, xo, row, m):
+        for rb in range(m // ROWS):
+            block(w, s, b, y, xq, xe, xo, row, rb * ROWS, ROWS)
+        if m % ROWS >= 4:
+            block(w, s, b, y, xq, xe, xo, row, m - m % ROWS, 4)
+        if m % 4 >= 2:
+            block(w, s, b, y, xq, xe, xo, row, m - m % 4, 2)
+        if m % 2 == 1:
+            block(w, s, b, y, xq, xe, xo, row, m - 1, 1)
+
+    @T.macro
+    def body(x, w, s, b, y, m):
+        # int8: xq holds x's int8 words, xe its scales and xo -32 times its sums per
+        # sub-block; float: xq holds x permuted, xe its sums (xo unused)
+        xq = T.alloc_buffer((m, k // 4 if int8 else k), I32 if int8 else F32)
+        xe = T.alloc_buffer((m, k // SUB), F32)
+        xo = T.alloc_buffer((m, k // SUB), I32)
+        if _many_rows(m):
+            for r in T.parallel(m):
+                if int8:
+                    prep_int8(x, xq, xe, xo, r)
+                else:
+                    prep_float(x, xq, xe, r)
+        else:
+            for r in range(m):
+                if int8:
+                    prep_int8(x, xq, xe, xo, r)
+                else:
+                    prep_float(x, xq, xe, r)
+        for row in T.parallel(n):
+            rows_of_x(w, s, b, y, xq, xe, xo, row, m)
+
+    return body
+
+
+@functools.cache
+def gemv_q6_k(k: int, n: int, dtype: str, isa: bool | str = False,
+              bias: bool = False) -> tirx.PrimFunc:
+    """y[m, n] = x[m, k] @ W^T (+ b) for W [n, k] in Q6_K (`build.q6_k`: codes [n, 3k/4],
+    parameters [n, k/16 + k/128], both uint8; k a multiple of 256); `isa`: `common.gemv_isa`'s
+    value ("vnni" / "avx2": int8 activations)."""
+    body = q6_gemv_macro(k, n, dtype, bias, isa)
+    width, pw = k // SUPER * CODE_BYTES, param_width(k)
+    if bias:
+
+        @T.prim_func(private=True)
+        def func(var_x: T.handle, w: T.Buffer((n, width), "uint8"),
+                 s: T.Buffer((n, pw), "uint8"), b: T.Buffer((n,), dtype), var_y: T.handle):
+            m = T.int64()
+            x = T.match_buffer(var_x, (m, k), dtype)
+            y = T.match_buffer(var_y, (m, n), dtype)
+            if m == 1:
+                body(x, w, s, b, y, 1)
+            else:
+                body(x, w, s, b, y, m)
+
+    else:
+
+        @T.prim_func(private=True)
+        def func(var_x: T.handle, w: T.Buffer((n, width), "uint8"),
+                 s: T.Buffer((n, pw), "uint8"), var_y: T.handle):
+            m = T.int64()
+            x = T.match_buffer(var_x, (m, k), dtype)
+            y = T.match_buffer(var_y, (m, n), dtype)
+            if m == 1:
+                body(x, w, s, None, y, 1)
+            else:
+                body(x, w, s, None, y, m)
+
+    return scheduled(func)
