@@ -251,11 +251,13 @@ def llama_model_dir(shape: str, layers: int | None, quant: str) -> Path:
     type) imported as `localchat pull FILE.gguf` does, and converted to `quant`."""
     import shutil
 
+    from localchat import model_dir as md
     from localchat.engine.build import convert_source
 
     out = _bench_dir(shape, layers) / f"localchat-{quant}"
-    if (out / "localchat-config.json").exists():
-        return out
+    config = out / md.CONFIG_FILE
+    if config.exists() and json.loads(config.read_text()).get("format", 1) >= md.format_for(quant):
+        return out  # (an older layout of the mode is converted again)
     if out.exists():
         shutil.rmtree(out)
     src = (llama_quantized(shape, layers, OURS_SOURCE[quant]) if quant in OURS_SOURCE

@@ -27,8 +27,9 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from localchat.engine.build.q6_k import CODE_BYTES, SUB, SUBS, SUPER, param_width
-from localchat.engine.kernels.common import INT8_ISAS, LANES, lane_tree, scheduled
+from localchat.engine.kernels.common import INT8_ISAS, LANES, divisor, lane_tree, scheduled
 from localchat.engine.kernels.gemv import (
+    TILE_ROWS,
     _add,
     _dpbusd,
     _madd_pairs,
@@ -167,10 +168,11 @@ def q6_gemv_macro(k: int, n: int, dtype: str, bias: bool, isa: bool | str):
         for rr in range(nrows):
             store(y, b, r0 + rr, row, lane_tree(f[T.Ramp(rr * LANES, 1, LANES)], LANES, _add))
 
+    nr = divisor(n, (TILE_ROWS, 32, 16, 8, 4, 2))
+
     @T.macro
-    def rows_of_x(w, s, b, y, xq, xe, xo, row, m):
-        for rb in range(m // ROWS):
-            block(w, s, b, y, xq, xe, xo, row, rb * ROWS, ROWS)
+    def tail_rows(w, s, b, y, xq, xe, xo, row, m):
+        """The rows of x after the whole blocks of `ROWS`, in blocks of 4, 2 and 1."""
         if m % ROWS >= 4:
             block(w, s, b, y, xq, xe, xo, row, m - m % ROWS, 4)
         if m % 4 >= 2:
@@ -197,8 +199,20 @@ def q6_gemv_macro(k: int, n: int, dtype: str, bias: bool, isa: bool | str):
                     prep_int8(x, xq, xe, xo, r)
                 else:
                     prep_float(x, xq, xe, r)
-        for row in T.parallel(n):
-            rows_of_x(w, s, b, y, xq, xe, xo, row, m)
+        if m > ROWS:
+            # many rows (prefill through a Q6_K matrix): a block of x meets a tile of rows of W
+            # before the next block, so it is read from L1; a row's operations are unchanged
+            for tile in T.parallel(n // nr):
+                for rb in range(m // ROWS):
+                    for rr in range(nr):
+                        block(w, s, b, y, xq, xe, xo, tile * nr + rr, rb * ROWS, ROWS)
+                for rr in range(nr):
+                    tail_rows(w, s, b, y, xq, xe, xo, tile * nr + rr, m)
+        else:
+            for row in T.parallel(n):
+                for rb in range(m // ROWS):
+                    block(w, s, b, y, xq, xe, xo, row, rb * ROWS, ROWS)
+                tail_rows(w, s, b, y, xq, xe, xo, row, m)
 
     return body
 
