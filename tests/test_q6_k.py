@@ -77,18 +77,19 @@ def _compile(funcs: dict):
     return tvm.compile(mod, cpu_target())
 
 
-def test_gemv_q6_k_equals_numpy_and_does_not_depend_on_the_batch() -> None:
-    """Every form (VNNI or AVX2 int8, float) against numpy; 21 rows of x (blocks of 8, then 4
-    and 1) give each row the bits it gets alone."""
+@pytest.mark.parametrize("k", [512, 2304])  # 2 super-blocks; 9: chunks of 8 and 1 (prefill)
+def test_gemv_q6_k_equals_numpy_and_does_not_depend_on_the_batch(k: int) -> None:
+    """Every form (VNNI or AVX2 int8, float) against numpy; 21 rows of x (tiles of W rows per
+    block of 8 rows of x, then 4 and 1) give each row the bits it gets alone."""
     import tvm
 
     from localchat.engine.device import cpu_target
     from localchat.engine.kernels.common import gemv_isa
     from localchat.engine.kernels.gemv_q6 import gemv_q6_k
 
-    k, n = 512, 40
+    n = 40
     rng = np.random.default_rng(2)
-    codes, params = quantize_q6_k(_q6_k_values(n, 2, 3))
+    codes, params = quantize_q6_k(_q6_k_values(n, k // 256, 3))
     dense = dequantize_q6_k(codes, params)
     isas = {gemv_isa(cpu_target()), "avx2", False}
     lib = _compile({f"q6_{isa}_{bias}": gemv_q6_k(k, n, "float32", isa, bias)

@@ -741,9 +741,8 @@ class _Puller:
 
 def _exact_reason(mode: str) -> str:
     """Why a GGUF's own mode was chosen, for pull's summary."""
-    if mode.endswith("_k"):  # Q4_K_M files also carry Q6_K attn_v / ffn_down: re-quantized
-        return ("holds the GGUF's llama.cpp Q4_K weights and Q6_K head exactly (its Q6_K "
-                "attn_v / ffn_down re-quantized)")
+    if mode.endswith("_k"):  # Q4_K_M files also carry Q6_K: the head, some attn_v / ffn_down
+        return "holds the GGUF's llama.cpp Q4_K and Q6_K weights exactly (no second rounding)"
     if mode.endswith("_mx"):
         return "holds the GGUF's MXFP4 experts and Q8_0 weights exactly"
     kind = ("Q4_1" if "asym" in mode else "Q8_0" if mode.startswith("q8")

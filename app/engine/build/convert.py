@@ -170,6 +170,9 @@ def convert_model(
     arch = detect_architecture(hf, sentence_transformers=is_sentence_transformers(source_dir))
     mode = get_quant_mode(quantization)
     config = arch.config_from_hf(hf)
+    if getattr(config, "q6_k_layers", None) and mode.head_format != "Q6_K":
+        # a Q4_K_M file's Q6_K attn_v / ffn_down stay apart only in the modes holding Q6_K
+        config.q6_k_layers = {}
     if mode.experts and not getattr(config, "num_experts", 0):
         raise QuantizationError(
             f"{mode.name} keeps mixture-of-experts models' experts in {mode.experts}; "

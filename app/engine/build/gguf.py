@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from localchat.engine.models import GgufMap, gguf_architectures, gguf_map
+from localchat.engine.models.llama import Q6_K_LAYERS_KEY
 from localchat.errors import ModelConfigError, UnsupportedModelError, WeightsError
 
 GGUF_MAGIC = b"GGUF"
@@ -173,16 +174,14 @@ _EXACT_MODES = {"Q4_1": "q4f32_asym", "Q4_0": "q4f32_0", "Q4_K": "q4f32_k", "Q8_
 
 
 def exact_quantization(path: Path) -> str | None:
-    """The CPU quantization mode that holds the file's weights exactly, if one does:
-    "q4f32_asym" when every weight matrix but the embedding / output head is Q4_1, "q4f32_0"
-    when every one is Q4_0 (llama.cpp's Q4_1 and Q4_0 files; a Q8_0 or Q4_0 embedding / head is
-    held exactly too, a Q6_K one to 8 bits), "q4f32_k" when they are Q4_K, or Q4_K and Q6_K as
-    in Q4_K_M files (the Q4_K blocks and a Q6_K head exactly; the Q6_K matrices, a few attn_v
-    and ffn_down, re-quantized to 4 bits), "q8f32_0" when they are Q8_0, "q4f32_mx" when
-    experts are MXFP4 (held exactly, Q8_0 matrices too, others to 8 bits). The import
-    dequantizes to float32 and the mode's quantizer finds each group's block parameters again
-    (`quantization`).
-    None otherwise."""
+    """The CPU quantization mode that holds the file's weights exactly, if one does: "q4f32_asym"
+    when every weight matrix but the embedding / output head is Q4_1, "q4f32_0" when every one is
+    Q4_0 (llama.cpp's Q4_1 and Q4_0 files; a Q8_0 or Q4_0 embedding / head is held exactly too, a
+    Q6_K one to 8 bits), "q4f32_k" when they are Q4_K, or Q4_K and Q6_K as in Q4_K_M files (both
+    exactly: the Q6_K head, attn_v and ffn_down in Q6_K, `q6_k`), "q8f32_0" when they are Q8_0,
+    "q4f32_mx" when experts are MXFP4 (held exactly, Q8_0 matrices too, others to 8 bits). The
+    import dequantizes to float32 and the mode's quantizer finds each group's block parameters again
+    (`quantization`). None otherwise."""
     types = matrix_types(read_gguf(path))
     if "Q4_K" in types and types <= {"Q4_K", "Q6_K"}:
         return "q4f32_k"
@@ -481,6 +480,20 @@ def _atomic_file(path: Path) -> Iterator[Path]:
             part.unlink()
 
 
+_Q6_K_PART = re.compile(r"model\.layers\.(\d+)\.(?:self_attn\.(v)_proj|mlp\.(down)_proj)\.weight$")
+
+
+def _q6_k_layers(items: list[tuple[str, GGUFTensor]]) -> dict[str, list[int]]:
+    """The layers whose v or MLP down projection is Q6_K in the file (a Q4_K_M file's attn_v
+    and ffn_down in some layers), by part ("v", "down"), for `llama.LlamaConfig.q6_k_layers`."""
+    found: dict[str, list[int]] = {}
+    for hf_name, t in items:
+        m = _Q6_K_PART.match(hf_name)
+        if m and t.type_name == "Q6_K":
+            found.setdefault(m.group(2) or m.group(3), []).append(int(m.group(1)))
+    return {part: sorted(layers) for part, layers in found.items()}
+
+
 def gguf_to_hf_folder(path: Path, out_dir: Path, *, dtype: str = "float32",
                       log: Log | None = None) -> Path:
     """Write an HF model folder for the GGUF file `path` into `out_dir` (created if needed).
@@ -509,6 +522,9 @@ def gguf_to_hf_folder(path: Path, out_dir: Path, *, dtype: str = "float32",
         hf_name = hf_tensor_name(t.name, gmap)
         if hf_name is not None:
             items.append((hf_name, t))
+    q6_k = _q6_k_layers(items)
+    if q6_k:
+        config[Q6_K_LAYERS_KEY] = q6_k
     if log:
         log(f"dequantizing {len(items)} GGUF tensors ({gf.path.name})")
     with _atomic_file(out_dir / "model.safetensors") as part:

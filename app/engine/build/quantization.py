@@ -32,13 +32,15 @@ exact for every group that has its min at q = 0, as llama.cpp's Q4_K quantizer g
 checked on the 1B shape's Q4_K_M file), then each super-block's d and sc with d * sc = S exactly
 (d = S / j for the largest S, j = 63 .. 1, as float16; likewise dmin and m): a super-block that
 came from a Q4_K block keeps its d, dmin, sc, m and q exactly. Other super-blocks (float weights,
-the rows of Q4_K_M's Q6_K tensors, some attn_v and ffn_down) are quantized as llama.cpp's simple
+a Q6_K matrix converted to q4f32_k by another route) are quantized as llama.cpp's simple
 Q4_K quantizer does: min clamped to <= 0, scale (max - min) / 15, d = the largest scale / 63 and
 dmin = the largest -min / 63 as float16, sc and m rounded to 6 bits, q from the 6-bit values.
-A Q4_K_M file's Q6_K matrices are thus not held exactly; its Q6_K head is: q4f32_k keeps the
-token embedding and LM head in Q6_K (`q6_k`, 6.5625 bits a weight, as llama.cpp keeps them) where
-their rows are whole super-blocks of 256, else in the 8-bit layout below (llama.cpp's Q8_0
-fallback for such rows).
+q4f32_k keeps the token embedding and LM head in Q6_K (`q6_k`, 6.5625 bits a weight, as
+llama.cpp keeps them) where their rows are whole super-blocks of 256, else in the 8-bit layout
+below (llama.cpp's Q8_0 fallback for such rows). A Q4_K_M file's Q6_K attn_v and ffn_down (the
+layers llama.cpp gives more bits) are held in Q6_K too, v apart from q and k there: the GGUF
+import records which (`llama.LlamaConfig.q6_k_layers`), so every matrix of the file comes back
+exactly.
 
 `q4f32_0` and `q4f16_0` hold llama.cpp's Q4_0: the symmetric modes' arithmetic, (q - 8) * d, with
 d stored as float16 whatever the activation type, so 32 weights take 18 bytes as in a Q4_0 block.

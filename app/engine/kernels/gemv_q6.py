@@ -1,4 +1,5 @@
-"""The LM head's GEMV for weights held in Q6_K (`build.q6_k`): y[m, n] = x[m, k] @ W[n, k]^T.
+"""The GEMV for weights held in Q6_K (`build.q6_k`): y[m, n] = x[m, k] @ W[n, k]^T, for the
+LM head and a Q4_K_M file's Q6_K attn_v / ffn_down (q4f32_k), decode and prefill.
 
 The head is a few rows of x against the largest matrix of a small model (a 3B Llama's is 394M
 weights), so it runs at the speed its bytes stream from memory: Q6_K's 6.56 bits a weight read
@@ -15,8 +16,11 @@ starting from -32 times its sub-block's x sum, so after four a lane holds sum (q
 an int8 ISA the same loop runs in float: x permuted the same way (float), each code byte
 converted and multiplied, the -32 applied through the sub-block's float x sum.
 
-Rows of x run inside in blocks of 8 sharing the unpacked vectors and the scales; a row's
-operations are the same whatever the block, so a sequence's logits do not depend on the batch.
+Rows of x run inside in blocks of 8 sharing the unpacked vectors and the scales; with many rows
+(prefill) a block of x meets a tile of rows of W before the next block, and a reduction longer
+than 2,048 is walked in chunks of 8 super-blocks (the block's int8 x for a chunk fits L1), each
+row's accumulators carried between chunks. A row's operations, and their order, are the same
+whatever the block, tile or chunk, so a sequence's results do not depend on the batch.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ I32 = "int32"
 ROWS = 8  # rows of x sharing each unpacked super-block
 GROUP = 32  # values of x sharing one int8 scale
 QUADS = 4  # 4-code quads per sub-block: the four vectors of a super-block
+CHUNK_SUPERS = 8  # super-blocks per chunk of a long reduction (2,048 values of x: 16 KB of int8
+# x for a block of 8 rows, in L1)
 U32 = f"uint32x{LANES}"
 V32 = f"float32x{LANES}"
 
@@ -87,6 +93,7 @@ def q6_gemv_macro(k: int, n: int, dtype: str, bias: bool, isa: bool | str):
     for the int8 forms, anything else for float arithmetic."""
     nsb = k // SUPER
     int8 = isa in INT8_ISAS
+    nr = divisor(n, (TILE_ROWS, 32, 16, 8, 4, 2))  # rows of W per tile when x has many rows
     store = _store_macro(dtype, bias)
 
     @T.macro
@@ -135,13 +142,12 @@ def q6_gemv_macro(k: int, n: int, dtype: str, bias: bool, isa: bool | str):
         return total
 
     @T.macro
-    def block(w, s, b, y, xq, xe, xo, row, r0, nrows):
+    def accumulate(w, s, xq, xe, xo, f, base, row, r0, nrows, sb0, sb1):
+        """Super-blocks sb0 .. sb1 - 1 of W's row `row` times x's rows r0 .. r0 + nrows - 1,
+        added to their 16-lane accumulators f[base + rr * 16 ...] in super-block order."""
         wv = T.alloc_buffer((QUADS * LANES,), "uint32")
         ws = T.alloc_buffer((LANES,), F32)
-        f = T.alloc_buffer((nrows * LANES,), F32)
-        for a in T.unroll(nrows):
-            f[T.Ramp(a * LANES, 1, LANES)] = T.Broadcast(T.float32(0), LANES)
-        for sb in range(nsb):
+        for sb in range(sb0, sb1):
             # (the vector index picks masks and shifts: Python constants, so four stores)
             wv[T.Ramp(0, 1, LANES)] = _codes(w, row, sb, 0)
             wv[T.Ramp(LANES, 1, LANES)] = _codes(w, row, sb, 1)
@@ -150,7 +156,8 @@ def q6_gemv_macro(k: int, n: int, dtype: str, bias: bool, isa: bool | str):
             ws[T.Ramp(0, 1, LANES)] = _step(s, row, k, sb)
             for rr in T.unroll(nrows):
                 if int8:
-                    f[T.Ramp(rr * LANES, 1, LANES)] = f[T.Ramp(rr * LANES, 1, LANES)] + T.Cast(
+                    f[T.Ramp(base + rr * LANES, 1, LANES)] = f[
+                        T.Ramp(base + rr * LANES, 1, LANES)] + T.Cast(
                         V32,
                         int8_dot(int8_dot(int8_dot(int8_dot(
                             xo[r0 + rr, T.Ramp(sb * SUBS, 1, SUBS)],
@@ -160,15 +167,43 @@ def q6_gemv_macro(k: int, n: int, dtype: str, bias: bool, isa: bool | str):
                             wv[T.Ramp(3 * LANES, 1, LANES)], xq, r0 + rr, sb, 3),
                     ) * (ws[T.Ramp(0, 1, LANES)] * xe[r0 + rr, T.Ramp(sb * SUBS, 1, SUBS)])
                 else:
-                    f[T.Ramp(rr * LANES, 1, LANES)] = f[T.Ramp(rr * LANES, 1, LANES)] + (
+                    f[T.Ramp(base + rr * LANES, 1, LANES)] = f[
+                        T.Ramp(base + rr * LANES, 1, LANES)] + (
                         float_dot(wv, xq, r0 + rr, sb)
                         - T.Broadcast(T.float32(32), LANES)
                         * xe[r0 + rr, T.Ramp(sb * SUBS, 1, SUBS)]
                     ) * ws[T.Ramp(0, 1, LANES)]
+
+    @T.macro
+    def block(w, s, b, y, xq, xe, xo, row, r0, nrows):
+        f = T.alloc_buffer((nrows * LANES,), F32)
+        for a in T.unroll(nrows):
+            f[T.Ramp(a * LANES, 1, LANES)] = T.Broadcast(T.float32(0), LANES)
+        accumulate(w, s, xq, xe, xo, f, 0, row, r0, nrows, 0, nsb)
         for rr in range(nrows):
             store(y, b, r0 + rr, row, lane_tree(f[T.Ramp(rr * LANES, 1, LANES)], LANES, _add))
 
-    nr = divisor(n, (TILE_ROWS, 32, 16, 8, 4, 2))
+    @T.macro
+    def chunked_block(w, s, b, y, xq, xe, xo, tile, r0):
+        """A block of `ROWS` rows of x against a tile of `nr` rows of W when the reduction is
+        long: walked in chunks of `CHUNK_SUPERS` super-blocks (the block's x for one chunk
+        fits L1), each row of W's accumulators carried between chunks; the same operations,
+        in the same order, as `block`'s."""
+        acc = T.alloc_buffer((nr * ROWS * LANES,), F32)
+        for a in range(nr * ROWS):
+            acc[T.Ramp(a * LANES, 1, LANES)] = T.Broadcast(T.float32(0), LANES)
+        for c in range(nsb // CHUNK_SUPERS):
+            for rr in range(nr):
+                accumulate(w, s, xq, xe, xo, acc, rr * ROWS * LANES, tile * nr + rr, r0, ROWS,
+                           c * CHUNK_SUPERS, c * CHUNK_SUPERS + CHUNK_SUPERS)
+        if nsb % CHUNK_SUPERS != 0:
+            for rr in range(nr):
+                accumulate(w, s, xq, xe, xo, acc, rr * ROWS * LANES, tile * nr + rr, r0, ROWS,
+                           nsb - nsb % CHUNK_SUPERS, nsb)
+        for rr in range(nr):
+            for a in range(ROWS):
+                store(y, b, r0 + a, tile * nr + rr,
+                      lane_tree(acc[T.Ramp((rr * ROWS + a) * LANES, 1, LANES)], LANES, _add))
 
     @T.macro
     def tail_rows(w, s, b, y, xq, xe, xo, row, m):
@@ -204,8 +239,11 @@ def q6_gemv_macro(k: int, n: int, dtype: str, bias: bool, isa: bool | str):
             # before the next block, so it is read from L1; a row's operations are unchanged
             for tile in T.parallel(n // nr):
                 for rb in range(m // ROWS):
-                    for rr in range(nr):
-                        block(w, s, b, y, xq, xe, xo, tile * nr + rr, rb * ROWS, ROWS)
+                    if nsb > CHUNK_SUPERS:
+                        chunked_block(w, s, b, y, xq, xe, xo, tile, rb * ROWS)
+                    else:
+                        for rr in range(nr):
+                            block(w, s, b, y, xq, xe, xo, tile * nr + rr, rb * ROWS, ROWS)
                 for rr in range(nr):
                     tail_rows(w, s, b, y, xq, xe, xo, tile * nr + rr, m)
         else:

@@ -52,6 +52,11 @@ MlpParams = Callable[[Any, Callable[[str], np.ndarray], set[str], int],
                      Iterator[tuple[str, np.ndarray]]]
 
 
+# config.json's key under which the GGUF import lists the layers whose attn_v / ffn_down were
+# Q6_K (`gguf.gguf_to_hf_folder`; read into `LlamaConfig.q6_k_layers`)
+Q6_K_LAYERS_KEY = "localchat_q6_k_layers"
+
+
 @dataclass
 class LlamaConfig:
     """The shape and options of a Llama-family model, as read from an HF config.json."""
@@ -96,6 +101,11 @@ class LlamaConfig:
     # gpt-oss: a learned logit per layer and query head in each softmax's denominator (its
     # column dropped); carried to the CPU kernels in a padded lane of q (kernels.attention)
     attn_sinks: bool = False
+    # The layers whose v projection ("v") or MLP down projection ("down") came in llama.cpp's
+    # Q6_K (a Q4_K_M file's attn_v / ffn_down, as the GGUF import records them): held in Q6_K
+    # apart from the layer's other projections. The converter keeps it only for the modes
+    # holding their LM head in Q6_K (q4f32_k); empty otherwise.
+    q6_k_layers: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -115,6 +125,10 @@ class LlamaConfig:
         """Whether the model applies rope itself on this target: `rope_per_layer`, or sinks on
         a GPU (TVM's GPU rope would pair the lanes of the cache's padded head dim)."""
         return self.rope_per_layer or (self.attn_sinks and not cpu)
+
+    def q6_k(self, part: str, layer_id: int) -> bool:
+        """Whether layer `layer_id`'s `part` ("v" or "down") is held in Q6_K (`q6_k_layers`)."""
+        return layer_id in self.q6_k_layers.get(part, ())
 
     def layer_options(self, layer_id: int) -> dict[str, Any]:
         """What differs between layers: the sliding window (0: full), the rope theta, and
@@ -171,6 +185,8 @@ class LlamaConfig:
             # YaRN scales cos and sin (so q and k) by its attention factor: the scores by its
             # square, folded into the attention scale
             attn_scale=head_dim**-0.5 * rope_factor**2 if rope_factor != 1.0 else 0.0,
+            q6_k_layers={part: [int(i) for i in layers] for part, layers in
+                         (hf.get(Q6_K_LAYERS_KEY) or {}).items() if part in ("v", "down")},
         )
 
 
@@ -239,8 +255,15 @@ class LlamaAttention(nn.Module):
         self.kv_dtype = ctx.mode.kv_dtype
         self.ext_factors, self.mscale = cfg.rope_ext_factors, cfg.rope_attention_factor
         self.rotary_dim = cfg.rotary_dim or None
-        qkv_out = (self.num_q + 2 * self.num_kv) * self.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, qkv_out, cfg.qkv_bias, ctx)
+        kv_out = self.num_kv * self.head_dim
+        self.split_v = cfg.q6_k("v", layer_id)
+        if self.split_v:  # v in Q6_K, q and k in the mode's 4 bits: two products, joined
+            self.qk_proj = Linear(cfg.hidden_size, (self.num_q + self.num_kv) * self.head_dim,
+                                  cfg.qkv_bias, ctx)
+            self.v_proj = Linear(cfg.hidden_size, kv_out, cfg.qkv_bias, ctx, head=True)
+        else:
+            self.qkv_proj = Linear(cfg.hidden_size, (self.num_q + self.num_kv) * self.head_dim
+                                   + kv_out, cfg.qkv_bias, ctx)
         self.o_proj = Linear(self.num_q * self.head_dim, cfg.hidden_size, cfg.o_bias, ctx)
         if cfg.qk_norm == "head":
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ctx)
@@ -304,7 +327,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: nn.Tensor, cache: PagedKVCache, layer_id: int, gemv: bool) -> nn.Tensor:
         b, s, _ = x.shape
-        qkv = self.qkv_proj(x, gemv)
+        qkv = (op.concat([self.qk_proj(x, gemv), self.v_proj(x, gemv)], dim=-1)
+               if self.split_v else self.qkv_proj(x, gemv))
         q_size, kv_size = self.num_q * self.head_dim, self.num_kv * self.head_dim
         probes.probe_split(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), qkv,
                            (q_size, kv_size, kv_size))
@@ -329,10 +353,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig, ctx: BuildContext) -> None:
+    def __init__(self, cfg: LlamaConfig, ctx: BuildContext, layer_id: int = 0) -> None:
         h, f = cfg.hidden_size, cfg.intermediate_size
         self.gate_up_proj = Linear(h, 2 * f, cfg.mlp_bias, ctx)
-        self.down_proj = Linear(f, h, cfg.mlp_bias, ctx)
+        # (in Q6_K where the GGUF had it so: held as the mode holds its head)
+        self.down_proj = Linear(f, h, cfg.mlp_bias, ctx, head=cfg.q6_k("down", layer_id))
         self.target_kind = ctx.target_kind
         self.act = cfg.hidden_act
         if self.act not in GATES:
@@ -370,7 +395,7 @@ class LlamaDecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(h, eps, ctx)
         if cfg.norms in ("sandwich", "post"):
             self.post_feedforward_layernorm = RMSNorm(h, eps, ctx)
-        self.mlp = make_mlp(cfg, ctx, layer_id) if make_mlp else LlamaMLP(cfg, ctx)
+        self.mlp = make_mlp(cfg, ctx, layer_id) if make_mlp else LlamaMLP(cfg, ctx, layer_id)
 
     def forward(self, x: nn.Tensor, cache: PagedKVCache, layer_id: int, gemv: bool) -> nn.Tensor:
         # probes (models/probes.py) name each step by the HF module whose output it equals
@@ -560,10 +585,16 @@ def hf_params(
     for i in range(cfg.num_hidden_layers):
         hf = f"model.layers.{i}."
         ours = f"model.layers.{i}."
-        proj = [hf + f"self_attn.{p}_proj" for p in "qkv"]
-        yield ours + "self_attn.qkv_proj.weight", np.concatenate([get(p + ".weight") for p in proj])
-        if cfg.qkv_bias:
-            yield ours + "self_attn.qkv_proj.bias", np.concatenate([get(p + ".bias") for p in proj])
+        # q, k and v as one matrix, or q and k apart from a Q6_K v (`q6_k_layers`)
+        groups = ([("qk_proj", "qk"), ("v_proj", "v")] if cfg.q6_k("v", i)
+                  else [("qkv_proj", "qkv")])
+        for mine, parts in groups:
+            proj = [hf + f"self_attn.{p}_proj" for p in parts]
+            yield ours + f"self_attn.{mine}.weight", np.concatenate(
+                [get(p + ".weight") for p in proj])
+            if cfg.qkv_bias:
+                yield ours + f"self_attn.{mine}.bias", np.concatenate(
+                    [get(p + ".bias") for p in proj])
         yield ours + "self_attn.o_proj.weight", get(hf + "self_attn.o_proj.weight")
         if cfg.o_bias:
             yield ours + "self_attn.o_proj.bias", get(hf + "self_attn.o_proj.bias")

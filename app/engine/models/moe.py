@@ -219,7 +219,7 @@ def _combine_te(topk: int, dtype: str) -> Callable[..., Any]:
 
 def make_mlp(cfg: MoeConfig, ctx: BuildContext, layer_id: int) -> nn.Module:
     """Layer `layer_id`'s MLP: the experts, or the dense MLP where the config says so."""
-    return MoeMLP(cfg, ctx) if cfg.is_moe(layer_id) else llama.LlamaMLP(cfg, ctx)
+    return MoeMLP(cfg, ctx) if cfg.is_moe(layer_id) else llama.LlamaMLP(cfg, ctx, layer_id)
 
 
 class MoeForCausalLM(llama.LlamaForCausalLM):
