@@ -101,16 +101,19 @@ def test_gpu_linears_read_the_weights_in_place(quant: str) -> None:
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_cuda_compiles_q4f32_k_with_its_q6_k_head(tmp_path: Path) -> None:
-    """q4f32_k's Q6_K embedding / LM head (rows of whole 256-weight super-blocks) on a GPU: the
-    embedding dequantizes inline, the head apart (dlight's GEMV rule cannot read two parameters
-    of a row inline)."""
+    """q4f32_k's Q6_K matrices on a GPU (the embedding / LM head, and a Q4_K_M file's attn_v and
+    ffn_down, v apart from q and k): the embedding dequantizes inline, the others apart
+    (dlight's GEMV rule cannot read two parameters of a row inline)."""
     arch = detect_architecture({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
     cfg = arch.config_from_hf({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
         "intermediate_size": 512, "num_hidden_layers": 1, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 300, "max_position_embeddings": 128,
-        "tie_word_embeddings": True})
+        "tie_word_embeddings": True, "localchat_q6_k_layers": {"v": [0], "down": [0]}})
     model = arch.build(cfg, get_quant_mode("q4f32_k"), cuda_target("sm_80"))
-    assert str(dict(model.named_parameters())["model.embed_tokens.weight"].dtype) == "uint8"
+    params = {name: str(p.dtype) for name, p in model.named_parameters()}
+    for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.v_proj.weight",
+                 "model.layers.0.mlp.down_proj.weight"):
+        assert params[name] == "uint8", name
     lib = compile_library(arch, cfg, get_quant_mode("q4f32_k"), cuda_target("sm_80"), tmp_path)
     assert lib.compiled and lib.path.stat().st_size > 0

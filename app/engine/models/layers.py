@@ -53,7 +53,8 @@ from localchat.engine.kernels.common import asym_layout, gemv_isa, group_param, 
 from localchat.engine.kernels.gemm import NR as PANEL_WIDTH
 
 Q8_DTYPE = "int8"  # the 8-bit layout's weight dtype (the 4-bit one's is uint32 words)
-Q6_DTYPE = "uint8"  # Q6_K's codes (`build.q6_k`): the embedding / LM head of q4f32_k
+Q6_DTYPE = "uint8"  # Q6_K's codes (`build.q6_k`): q4f32_k's embedding / LM head (and Q6_K
+# attn_v / ffn_down of a Q4_K_M file)
 
 
 @dataclass(frozen=True)
@@ -184,7 +185,8 @@ class Linear(nn.Module):
         self, in_features: int, out_features: int, bias: bool, ctx: BuildContext,
         head: bool = False, panels: bool = False, experts: bool = False,
     ) -> None:
-        """`head`: this is the LM head (8-bit in the asymmetric modes); `panels`: a float
+        """`head`: held as the mode holds its LM head (8-bit in the asymmetric modes, Q6_K in
+        q4f32_k: the head, or a Q4_K_M file's Q6_K attn_v / ffn_down); `panels`: a float
         weight is stored as the CPU GEMM reads it (`kernels.gemm.weight_panels`), for layers
         that only ever run the GEMM (the encoders': no decode GEMV reads rows of it);
         `experts`: a MoE model's stacked expert projections (MXFP4 in q4f32_mx)."""
@@ -258,7 +260,8 @@ def linear(
         x2 = op.reshape(x, (rows, k))
         func_is_gemv = gemv and (mode.quantized or bias is None)
         if q8 or q6:
-            # the LM head, always a few rows (one kernel for every step, as the 4-bit head's)
+            # the LM head (a few rows) or a Q6_K matrix: one kernel for every step, prefill too
+            # (its tiles and chunks), as the int8 4-bit GEMV
             func_is_gemv = True
             func = (gemv_q6.gemv_q6_k if q6 else gemv_kernels.gemv_q8)(
                 int(k), int(n), mode.dtype, avx512, bias is not None)
