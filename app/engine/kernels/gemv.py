@@ -958,6 +958,41 @@ def gemv_q4_vnni_macro(
     return vnni
 
 
+def gemv_prim_func(body, k: int, n: int, dtype: str, weight: tuple, scale: tuple,
+                   bias: bool) -> tirx.PrimFunc:
+    """The PrimFunc (x [m, k], w, s[, b [n]], y [m, n]) around a GEMV macro `body(x, w, s, b,
+    y, m)`; `weight` and `scale`: (shape, dtype) of w and s. One row (single-sequence decode)
+    has its own copy of the body with m = 1 known (see `gemv_q4`)."""
+    (w_shape, w_dtype), (s_shape, s_dtype) = weight, scale
+    if bias:
+
+        @T.prim_func(private=True)
+        def func(var_x: T.handle, w: T.Buffer(w_shape, w_dtype), s: T.Buffer(s_shape, s_dtype),
+                 b: T.Buffer((n,), dtype), var_y: T.handle):
+            m = T.int64()
+            x = T.match_buffer(var_x, (m, k), dtype)
+            y = T.match_buffer(var_y, (m, n), dtype)
+            if m == 1:
+                body(x, w, s, b, y, 1)
+            else:
+                body(x, w, s, b, y, m)
+
+    else:
+
+        @T.prim_func(private=True)
+        def func(var_x: T.handle, w: T.Buffer(w_shape, w_dtype), s: T.Buffer(s_shape, s_dtype),
+                 var_y: T.handle):
+            m = T.int64()
+            x = T.match_buffer(var_x, (m, k), dtype)
+            y = T.match_buffer(var_y, (m, n), dtype)
+            if m == 1:
+                body(x, w, s, None, y, 1)
+            else:
+                body(x, w, s, None, y, m)
+
+    return scheduled(func)
+
+
 @functools.cache  # parsing the TVMScript is most of a model's export time
 def gemv_q4(
     k: int, n: int, dtype: str, avx512: bool | str = False, bias: bool = False, asym: bool = False,
@@ -989,43 +1024,7 @@ def gemv_q4(
     else:
         ks, sdt = kg, "uint8" if mx else scale_dtype or dtype
     body = gemv_q4_macro(k, n, dtype, bias, avx512, asym, mx)
-
-    if bias:
-
-        @T.prim_func(private=True)
-        def func(
-            var_x: T.handle,
-            w: T.Buffer((n, kw), "uint32"),
-            s: T.Buffer((n, ks), sdt),
-            b: T.Buffer((n,), dtype),
-            var_y: T.handle,
-        ):
-            m = T.int64()
-            x = T.match_buffer(var_x, (m, k), dtype)
-            y = T.match_buffer(var_y, (m, n), dtype)
-            if m == 1:
-                body(x, w, s, b, y, 1)
-            else:
-                body(x, w, s, b, y, m)
-
-    else:
-
-        @T.prim_func(private=True)
-        def func(
-            var_x: T.handle,
-            w: T.Buffer((n, kw), "uint32"),
-            s: T.Buffer((n, ks), sdt),
-            var_y: T.handle,
-        ):
-            m = T.int64()
-            x = T.match_buffer(var_x, (m, k), dtype)
-            y = T.match_buffer(var_y, (m, n), dtype)
-            if m == 1:
-                body(x, w, s, None, y, 1)
-            else:
-                body(x, w, s, None, y, m)
-
-    return scheduled(func)
+    return gemv_prim_func(body, k, n, dtype, ((n, kw), "uint32"), ((n, ks), sdt), bias)
 
 
 @functools.cache  # parsing the TVMScript is most of a model's export time
@@ -1314,41 +1313,5 @@ def gemv_q8(
     else:
         body = gemv_q8_macro(k, n, dtype, bias)
     kp = padded_k(k)
-    kg = kp // GROUP_SIZE
-    g16 = "float16"
-    if bias:
-
-        @T.prim_func(private=True)
-        def func(
-            var_x: T.handle,
-            w: T.Buffer((n, kp), "int8"),
-            s: T.Buffer((n, kg), g16),
-            b: T.Buffer((n,), dtype),
-            var_y: T.handle,
-        ):
-            m = T.int64()
-            x = T.match_buffer(var_x, (m, k), dtype)
-            y = T.match_buffer(var_y, (m, n), dtype)
-            if m == 1:
-                body(x, w, s, b, y, 1)
-            else:
-                body(x, w, s, b, y, m)
-
-    else:
-
-        @T.prim_func(private=True)
-        def func(
-            var_x: T.handle,
-            w: T.Buffer((n, kp), "int8"),
-            s: T.Buffer((n, kg), g16),
-            var_y: T.handle,
-        ):
-            m = T.int64()
-            x = T.match_buffer(var_x, (m, k), dtype)
-            y = T.match_buffer(var_y, (m, n), dtype)
-            if m == 1:
-                body(x, w, s, None, y, 1)
-            else:
-                body(x, w, s, None, y, m)
-
-    return scheduled(func)
+    return gemv_prim_func(body, k, n, dtype, ((n, kp), "int8"),
+                          ((n, kp // GROUP_SIZE), "float16"), bias)

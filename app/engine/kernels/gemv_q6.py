@@ -31,7 +31,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from localchat.engine.build.q6_k import CODE_BYTES, SUB, SUBS, SUPER, param_width
-from localchat.engine.kernels.common import INT8_ISAS, LANES, divisor, lane_tree, scheduled
+from localchat.engine.kernels.common import INT8_ISAS, LANES, divisor, lane_tree
 from localchat.engine.kernels.gemv import (
     TILE_ROWS,
     _add,
@@ -40,6 +40,7 @@ from localchat.engine.kernels.gemv import (
     _maddubs,
     _many_rows,
     _store_macro,
+    gemv_prim_func,
 )
 
 F32 = "float32"
@@ -262,31 +263,5 @@ def gemv_q6_k(k: int, n: int, dtype: str, isa: bool | str = False,
     parameters [n, k/16 + k/128], both uint8; k a multiple of 256); `isa`: `common.gemv_isa`'s
     value ("vnni" / "avx2": int8 activations)."""
     body = q6_gemv_macro(k, n, dtype, bias, isa)
-    width, pw = k // SUPER * CODE_BYTES, param_width(k)
-    if bias:
-
-        @T.prim_func(private=True)
-        def func(var_x: T.handle, w: T.Buffer((n, width), "uint8"),
-                 s: T.Buffer((n, pw), "uint8"), b: T.Buffer((n,), dtype), var_y: T.handle):
-            m = T.int64()
-            x = T.match_buffer(var_x, (m, k), dtype)
-            y = T.match_buffer(var_y, (m, n), dtype)
-            if m == 1:
-                body(x, w, s, b, y, 1)
-            else:
-                body(x, w, s, b, y, m)
-
-    else:
-
-        @T.prim_func(private=True)
-        def func(var_x: T.handle, w: T.Buffer((n, width), "uint8"),
-                 s: T.Buffer((n, pw), "uint8"), var_y: T.handle):
-            m = T.int64()
-            x = T.match_buffer(var_x, (m, k), dtype)
-            y = T.match_buffer(var_y, (m, n), dtype)
-            if m == 1:
-                body(x, w, s, None, y, 1)
-            else:
-                body(x, w, s, None, y, m)
-
-    return scheduled(func)
+    return gemv_prim_func(body, k, n, dtype, ((n, k // SUPER * CODE_BYTES), "uint8"),
+                          ((n, param_width(k)), "uint8"), bias)
