@@ -255,8 +255,7 @@ def llama_model_dir(shape: str, layers: int | None, quant: str) -> Path:
     from localchat.engine.build import convert_source
 
     out = _bench_dir(shape, layers) / f"localchat-{quant}"
-    config = out / md.CONFIG_FILE
-    if config.exists() and json.loads(config.read_text()).get("format", 1) >= md.format_for(quant):
+    if md.is_model_dir(out) and md.read_config(out).get("format", 1) >= md.format_for(quant):
         return out  # (an older layout of the mode is converted again)
     if out.exists():
         shutil.rmtree(out)

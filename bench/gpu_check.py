@@ -165,23 +165,18 @@ def prepare_speed(root: Path, arch: str, gguf: Path) -> None:
         print(f"speed {quant}: prepared", flush=True)
 
 
-def _rel_err(ours: np.ndarray, reference: np.ndarray) -> float:
-    """The largest error relative to the reference's largest magnitude."""
-    return float(np.abs(ours - reference).max() / np.abs(reference).max())
-
-
 def _check(model_dir: Path, case: dict[str, Any], reference: np.ndarray, quant: str,
            device: str = "cuda"
            ) -> dict[str, Any]:
     from localchat.engine.runtime import Model
 
-    from model_oracle import batched_and_alone, run_greedy, run_teacher_forced
+    from model_oracle import batched_and_alone, rel_err, run_greedy, run_teacher_forced
 
     model = Model(model_dir, device, max_batch_size=4)
     prompt, tokens = case["prompt"], case["tokens"]
     ours = np.stack(run_teacher_forced(model, prompt, tokens))
     top1 = float(np.mean(ours.argmax(-1) == reference.argmax(-1)))
-    err = _rel_err(ours, reference)
+    err = rel_err(ours, reference)
     # the prompt fed one token at a time (decode steps only): tells a prefill fault from a
     # decode one
     seq = model.new_sequence()
@@ -191,7 +186,7 @@ def _check(model_dir: Path, case: dict[str, Any], reference: np.ndarray, quant: 
     model.remove(seq)
     stepwise = np.stack(stepwise[len(prompt) - 1:])
     step_top1 = float(np.mean(stepwise.argmax(-1) == reference.argmax(-1)))
-    step_err = _rel_err(stepwise, reference)
+    step_err = rel_err(stepwise, reference)
     # a sequence forked from another past a page (16 tokens): its attention runs over the
     # shared block and its own (two depths, merged), as the prefix cache's forks do
     parent = model.new_sequence()
@@ -202,10 +197,10 @@ def _check(model_dir: Path, case: dict[str, Any], reference: np.ndarray, quant: 
         forked.append(model.decode([child], [tok])[0])
     model.remove(child)
     model.remove(parent)
-    fork_err = _rel_err(np.stack(forked), ours[:9])
+    fork_err = rel_err(np.stack(forked), ours[:9])
     greedy = run_greedy(model, prompt, STEPS)
     pairs = batched_and_alone(model, [prompt, prompt[:7], prompt[3:16]], steps=4)
-    batched = max(_rel_err(np.stack(a), np.stack(b)) for a, b in pairs)
+    batched = max(rel_err(np.stack(a), np.stack(b)) for a, b in pairs)
     seq = model.new_sequence()
     tok = int(np.argmax(model.prefill(seq, prompt)))
     t0 = time.perf_counter()

@@ -87,14 +87,19 @@ def e8m0(v, lanes: int = 1):
                                            else T.Broadcast(T.int32(23), lanes)))
 
 
-def _super_param(s, row, kg: int, g, which: int):
-    """Float32 d (which 0) or -dmin (1) of the super-block holding group g, from the
-    little-endian float16 bytes after a q4f32_k row's 2 kg bytes of sc and m."""
-    at = 2 * kg + (g // SUPER_GROUPS) * 4 + 2 * which
+def f16_bytes(s, row, at):
+    """The little-endian float16 at bytes `at`, `at` + 1 of row `row` of a uint8 buffer, as
+    float32 (q4f32_k's and Q6_K's super-block parameters)."""
     bits = T.bitwise_or(
         T.Cast("uint16", s[row, at]), T.shift_left(T.Cast("uint16", s[row, at + 1]), T.uint16(8))
     )
-    value = T.Cast("float32", T.reinterpret("float16", bits))
+    return T.Cast("float32", T.reinterpret("float16", bits))
+
+
+def _super_param(s, row, kg: int, g, which: int):
+    """Float32 d (which 0) or -dmin (1) of the super-block holding group g, from the
+    little-endian float16 bytes after a q4f32_k row's 2 kg bytes of sc and m."""
+    value = f16_bytes(s, row, 2 * kg + (g // SUPER_GROUPS) * 4 + 2 * which)
     return value if which == 0 else T.float32(0) - value
 
 

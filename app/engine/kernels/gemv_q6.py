@@ -31,7 +31,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from localchat.engine.build.q6_k import CODE_BYTES, SUB, SUBS, SUPER, param_width
-from localchat.engine.kernels.common import INT8_ISAS, LANES, divisor, lane_tree
+from localchat.engine.kernels.common import INT8_ISAS, LANES, divisor, f16_bytes, lane_tree
 from localchat.engine.kernels.gemv import (
     TILE_ROWS,
     _add,
@@ -73,19 +73,11 @@ def _codes(w, row, sb, v: int):
     return T.bitwise_or(low, T.shift_left(high, _bcast_u32(4)))
 
 
-def _d(s, row, k: int, sb):
-    """Super-block sb's d (float32) from its little-endian float16 bytes after the sc bytes."""
-    at = k // SUB + 2 * sb
-    bits = T.bitwise_or(
-        T.Cast("uint16", s[row, at]), T.shift_left(T.Cast("uint16", s[row, at + 1]), T.uint16(8))
-    )
-    return T.Cast(F32, T.reinterpret("float16", bits))
-
-
 def _step(s, row, k: int, sb):
-    """d * sc of super-block sb's 16 sub-blocks, one per lane (exact in float32)."""
+    """d * sc of super-block sb's 16 sub-blocks, one per lane (exact in float32); d is the
+    float16 after the row's sc bytes."""
     sc = T.Cast(V32, T.reinterpret(f"int8x{LANES}", s[row, T.Ramp(sb * SUBS, 1, SUBS)]))
-    return sc * T.Broadcast(_d(s, row, k, sb), LANES)
+    return sc * T.Broadcast(f16_bytes(s, row, k // SUB + 2 * sb), LANES)
 
 
 def q6_gemv_macro(k: int, n: int, dtype: str, bias: bool, isa: bool | str):

@@ -49,7 +49,13 @@ from localchat.engine.build.quantization import (
 )
 from localchat.engine.kernels import elementwise, gemv_q6, matmul
 from localchat.engine.kernels import gemv as gemv_kernels
-from localchat.engine.kernels.common import asym_layout, gemv_isa, group_param, wide_registers
+from localchat.engine.kernels.common import (
+    asym_layout,
+    f16_bytes,
+    gemv_isa,
+    group_param,
+    wide_registers,
+)
 from localchat.engine.kernels.gemm import NR as PANEL_WIDTH
 
 Q8_DTYPE = "int8"  # the 8-bit layout's weight dtype (the 4-bit one's is uint32 words)
@@ -117,7 +123,7 @@ def _dequant_value(
 def _q6_value(codes: te.Tensor, params: te.Tensor, row, col) -> tirx.PrimExpr:
     """Weight [row, col] of a Q6_K matrix (`build.q6_k`'s layout) in float32: (d * sc) *
     (q - 32), as llama.cpp computes it (exact)."""
-    k = int(params.shape[1]) * q6_k.SUPER // (q6_k.SUPER // q6_k.SUB + 2)
+    k = int(codes.shape[1]) // q6_k.CODE_BYTES * q6_k.SUPER
     sb, j = col // q6_k.SUPER, col % q6_k.SUPER
     e, t = j // q6_k.SUB, j % q6_k.SUB
     v, b = t // 4, t % 4
@@ -130,11 +136,7 @@ def _q6_value(codes: te.Tensor, params: te.Tensor, row, col) -> tirx.PrimExpr:
         tirx.const(3, "uint32"))
     q = tirx.bitwise_or(low, tirx.shift_left(high, tirx.const(4, "uint32"))).astype("int32")
     sc = tirx.reinterpret("int8", params[row, sb * q6_k.SUBS + e]).astype("float32")
-    at = k // q6_k.SUB + 2 * sb
-    bits = tirx.bitwise_or(params[row, at].astype("uint16"),
-                           tirx.shift_left(params[row, at + 1].astype("uint16"),
-                                           tirx.const(8, "uint16")))
-    d = tirx.reinterpret("float16", bits).astype("float32")
+    d = f16_bytes(params, row, k // q6_k.SUB + 2 * sb)
     return (d * sc) * (q - 32).astype("float32")
 
 
