@@ -81,6 +81,7 @@ from localchat.engine.kernels.common import (
     LOG2E,
     exp2,
     lane_tree,
+    prefetch,
     scheduled,
     tanh,
     vec_width,
@@ -671,12 +672,6 @@ def attention_prefill_paged_cpu(
 # --------------------------------------------------------------------------------------------
 
 
-def _prefetch(buf, index):
-    """A read prefetch of the cache line holding buf[index] into every cache level."""
-    return T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(buf[index]), T.int32(0),
-                              T.int32(3), T.int32(1))
-
-
 def attention_decode_paged_cpu(
     h_kv: int,
     h_q: int,
@@ -756,8 +751,8 @@ def attention_decode_paged_cpu(
     @T.macro
     def prefetch_page(pf, base):
         for i in T.unroll(page_lines):
-            _prefetch(pf, base + i * line)
-            _prefetch(pf, base + h_kv * page_size * d + i * line)
+            prefetch(pf, base + i * line)
+            prefetch(pf, base + h_kv * page_size * d + i * line)
 
     @T.prim_func(private=True)
     def batch_decode_paged_kv(

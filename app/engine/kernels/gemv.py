@@ -75,6 +75,7 @@ from localchat.engine.kernels.common import (
     group_params_vec,
     lane_tree,
     padded_k,
+    row_prefetch,
     rows_lane_tree,
     scheduled,
     transpose_x,
@@ -894,6 +895,8 @@ def gemv_q4_vnni_macro(
         if m % 2 == 1:
             block(w, s, b, y, xq, xs, xo, wt, st, mt, tb, row, m - 1, 1, x4, False)
 
+    ahead = row_prefetch(n, kw, 4)  # decode: W's rows ahead
+
     @T.macro
     def vnni(x, w, s, b, y, m):
         xq = T.alloc_buffer((m, kg4 * XQ_WORDS_PER_GROUP), i32)
@@ -949,6 +952,7 @@ def gemv_q4_vnni_macro(
                     mt = T.alloc_buffer((4,), F32)
                 else:
                     mt = T.meta_var(None)
+                ahead(w, row)
                 part_copy(w, s, wt, st, mt, 0, row)
                 for rb in range(m // rows):
                     block(w, s, b, y, xq, xs, xo, wt, st, mt, 0, row, rb * rows, rows, x4,
@@ -1273,6 +1277,8 @@ def gemv_q8_vnni_macro(
 
     nr = divisor(n, (TILE_ROWS, 32, 16, 8, 4, 2))
 
+    ahead = row_prefetch(n, kp, 1)  # decode: W's rows ahead
+
     @T.macro
     def vnni(x, w, s, b, y, m):
         xq = T.alloc_buffer((m, kg * wpg), i32)
@@ -1290,6 +1296,7 @@ def gemv_q8_vnni_macro(
                     tail_blocks(w, s, b, y, xq, xe, tile * nr + rr, m)
         else:
             for row in T.parallel(n):
+                ahead(w, row)
                 for rb in range(m // rows):
                     block(w, s, b, y, xq, xe, row, rb * rows, rows)
                 tail_blocks(w, s, b, y, xq, xe, row, m)

@@ -31,7 +31,14 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from localchat.engine.build.q6_k import CODE_BYTES, SUB, SUBS, SUPER, param_width
-from localchat.engine.kernels.common import INT8_ISAS, LANES, divisor, f16_bytes, lane_tree
+from localchat.engine.kernels.common import (
+    INT8_ISAS,
+    LANES,
+    divisor,
+    f16_bytes,
+    lane_tree,
+    row_prefetch,
+)
 from localchat.engine.kernels.gemv import (
     TILE_ROWS,
     _add,
@@ -208,6 +215,8 @@ def q6_gemv_macro(k: int, n: int, dtype: str, bias: bool, isa: bool | str):
         if m % 2 == 1:
             block(w, s, b, y, xq, xe, xo, row, m - 1, 1)
 
+    ahead = row_prefetch(n, k // SUPER * CODE_BYTES, 1)  # decode: W's rows ahead
+
     @T.macro
     def body(x, w, s, b, y, m):
         # int8: xq holds x's int8 words, xe its scales and xo -32 times its sums per
@@ -241,6 +250,7 @@ def q6_gemv_macro(k: int, n: int, dtype: str, bias: bool, isa: bool | str):
                     tail_rows(w, s, b, y, xq, xe, xo, tile * nr + rr, m)
         else:
             for row in T.parallel(n):
+                ahead(w, row)
                 for rb in range(m // ROWS):
                     block(w, s, b, y, xq, xe, xo, row, rb * ROWS, ROWS)
                 tail_rows(w, s, b, y, xq, xe, xo, row, m)
