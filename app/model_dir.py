@@ -41,12 +41,13 @@ MANIFEST_FILE = "localchat-manifest.json"
 MANIFEST_VERSION = 1
 RECORD_SUFFIX = ".sha256"  # `<library>.sha256` beside a library in a cache: its hash record
 FILE_MODE, DIR_MODE = 0o644, 0o755  # a shared store: readable by every user of the machine
-FORMAT_VERSION = 3  # the newest format this localchat reads (`format_for` says which it writes)
+FORMAT_VERSION = 4  # the newest format this localchat reads (`format_for` says which it writes)
 # Quantizations whose stored layout changed, and the first format with the current one: a
 # directory of an older format holds the old layout and is refused (convert it again).
 # q4f32_k: float32 scales and mins per group -> Q4_K's super-blocks (format 2); its embedding
-# and LM head 8-bit -> Q6_K where their rows are whole super-blocks (format 3).
-LAYOUT_FORMATS = {"q4f32_k": 3}
+# and LM head 8-bit -> Q6_K where their rows are whole super-blocks (format 3); sc and m a byte
+# each -> packed in 6 bits, 16 bytes a super-block (format 4).
+LAYOUT_FORMATS = {"q4f32_k": 4}
 LIB_DIR = "lib"
 LIB_SUFFIXES = (".so", ".dylib", ".dll", ".tar", ".wasm")
 LIBRARY_SUFFIX = ".so"

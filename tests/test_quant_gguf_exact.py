@@ -252,19 +252,35 @@ def _q4_k_blocks(n: int, blocks: int, seed: int) -> np.ndarray:
     return ((d * sc)[..., None] * q - (dmin * m)[..., None]).astype(np.float32).reshape(n, -1)
 
 
-def test_q4_k_blocks_round_trip_exactly_in_4_625_bits() -> None:
+def test_q4_k_blocks_round_trip_exactly_in_4_5_bits() -> None:
     """Weights dequantized from Q4_K blocks quantize back to the same values in q4f32_k's
-    super-block form (18.5 bytes per 32 weights); float weights quantize as Q4_K does (6-bit
-    scales and mins <= 0), within half a step of each group's scale."""
-    from localchat.engine.build.quantization import q4_k_scale_min, q4_k_width, quantize_q4_k
+    super-block form (18 bytes per 32 weights, as Q4_K: sc and m in 6 bits, every value 0..63
+    and both extremes of d and dmin round-tripping through the packed bytes); float weights
+    quantize as Q4_K does (6-bit scales and mins <= 0), within half a step of each group's
+    scale."""
+    from localchat.engine.build.quantization import (
+        pack_q4_k_params,
+        q4_k_scale_min,
+        q4_k_width,
+        quantize_q4_k,
+        unpack_q4_k_params,
+    )
 
     n, blocks = 16, 4
     w = _q4_k_blocks(n, blocks, 3)
     words, params = quantize_q4_k(w)
     assert params.dtype == np.uint8 and params.shape == (n, q4_k_width(blocks * 8))
-    assert q4_k_width(blocks * 8) == blocks * 20  # 16 bytes of sc, m and 4 of d, dmin
-    assert words.nbytes + params.nbytes == n * blocks * 148  # Q4_K: 144 per super-block
+    assert q4_k_width(blocks * 8) == blocks * 16  # 12 bytes of sc, m and 4 of d, dmin
+    assert words.nbytes + params.nbytes == n * blocks * 144  # Q4_K: 144 per super-block
     assert np.array_equal(dequantize_q4(words, params), w)
+
+    every = np.arange(64).reshape(1, 8, 8)  # each 6-bit value, in every position of a block
+    sc, m = every, every[:, ::-1, ::-1]
+    d = np.array([[65504, -6e-8, 1, 0.5, 2, 3, 0.25, 1e-3]], np.float16)
+    packed = pack_q4_k_params(sc, m, d, d[:, ::-1])
+    assert packed.shape == (1, 8 * 16)
+    for got, want in zip(unpack_q4_k_params(packed), (sc, m, d, d[:, ::-1]), strict=True):
+        assert np.array_equal(got, want)
 
     rng = np.random.default_rng(5)
     f = rng.standard_normal((8, 344), dtype=np.float32)  # a partial super-block, a padded group
@@ -418,15 +434,15 @@ def test_q4_k_m_gguf_defaults_to_q4f32_k_which_holds_its_q4_k_blocks(q4_k_m_gguf
         got, want = model.decode([seqs[0]], [tok])[0], ref.decode([seqs[1]], [tok])[0]
 
     # a q4f32_k directory of an old layout (format 1: float32 scales and mins; format 2: an
-    # 8-bit head) is refused with what to do, not misread
+    # 8-bit head; format 3: sc and m a byte each) is refused with what to do, not misread
     import json
 
     from localchat import model_dir as md
     from localchat.errors import ModelConfigError
 
     config = json.loads((out / md.CONFIG_FILE).read_text())
-    assert config["format"] == 3
+    assert config["format"] == 4
     md.validate_config({**config, "quantization": "q4f32_1", "format": 1})
-    for old in (1, 2):
+    for old in (1, 2, 3):
         with pytest.raises(ModelConfigError, match="older localchat.*convert the model again"):
             md.validate_config({**config, "format": old})

@@ -20,10 +20,12 @@ mode is rather than MLC's number (MLC's q4f16_2 etc. are other layouts).
 `q4f32_k` holds llama.cpp's Q4_K in its own super-block form: per row, super-blocks of 8 groups
 (256 weights) with a float16 d and dmin, and per group of 32 a 6-bit sc and m; value
 d * sc * q - dmin * m. The nibbles are packed as in the other 4-bit modes; the group parameters
-are one uint8 row [2 Kg + 4 SB] (Kg groups, SB = ceil(Kg / 8) super-blocks): sc and m of group
-g at bytes 2 g and 2 g + 1, then the super-blocks' d and dmin as little-endian float16 bytes
-(super-block b's d at 2 Kg + 4 b, its dmin at 2 Kg + 4 b + 2). 32 weights take 18.5 bytes:
-4.625 bits a weight, against Q4_K's 4.5 (its sc and m packed in 6 bits) and q4f32_1's 5. The
+are one uint8 row of 16 bytes per super-block (`Q4_K_PARAM_BYTES`; a last, partial super-block
+takes 16 too): for its group i (0..7) byte i holds the low 4 bits of sc (bits 0-3) and of m (bits
+4-7), byte 8 + i // 2 the high 2 bits of sc at bit 2 (i % 2) and of m at bit 4 + 2 (i % 2), then
+d and dmin as little-endian float16 at bytes 12 and 14. 32 weights take 18 bytes: 4.5 bits a
+weight, as Q4_K (the same bits, ordered for the kernels: a lane finds its group's sc or m with two
+byte shuffles, two shifts and an or), against q4f32_1's 5. The
 kernels take the scale d * sc and the min -(dmin * m) in float32, both exact there (as
 llama.cpp's dequantization computes them), so q * scale + min rounds as its d1 * q - m1 does.
 The quantizer finds each group's scale and min (`_q4_k_groups`: min = the group's min, and S
@@ -86,7 +88,8 @@ GROUP_SIZE = 32
 NIBBLES_PER_WORD = 8
 SUPER_GROUPS = 8  # groups of 32 per Q4_K super-block (256 weights)
 SUPER_MAX = 63  # Q4_K's sc and m are 6-bit
-K_SCALE_DTYPE = "uint8"  # q4f32_k's group parameters: sc and m bytes, then d and dmin bytes
+K_SCALE_DTYPE = "uint8"  # q4f32_k's group parameters: bytes, `Q4_K_PARAM_BYTES` a super-block
+Q4_K_PARAM_BYTES = 16  # 6-bit sc and m of 8 groups (12 bytes), float16 d and dmin
 
 
 @dataclass(frozen=True)
@@ -169,9 +172,36 @@ def get_quant_mode(name: str) -> QuantMode:
 
 
 def q4_k_width(groups: int) -> int:
-    """Bytes of q4f32_k's group parameters for a row of `groups` groups: sc and m per group,
-    float16 d and dmin per super-block of `SUPER_GROUPS`."""
-    return 2 * groups + 4 * -(-groups // SUPER_GROUPS)
+    """Bytes of q4f32_k's group parameters for a row of `groups` groups: `Q4_K_PARAM_BYTES` per
+    super-block of `SUPER_GROUPS` (6-bit sc and m per group, float16 d and dmin)."""
+    return Q4_K_PARAM_BYTES * -(-groups // SUPER_GROUPS)
+
+
+def pack_q4_k_params(sc: np.ndarray, m: np.ndarray, d: np.ndarray,
+                     dmin: np.ndarray) -> np.ndarray:
+    """q4f32_k's parameter bytes [N, 16 SB] from sc and m [N, SB, 8] (integers 0..63) and d and
+    dmin [N, SB] (float16); the layout is the module docstring's."""
+    n, nsb = d.shape
+    sc, m = sc.astype(np.uint8), m.astype(np.uint8)
+    out = np.empty((n, nsb, Q4_K_PARAM_BYTES), np.uint8)
+    out[..., :8] = (sc & 15) | ((m & 15) << 4)
+    hi = ((sc >> 4) & 3) | (((m >> 4) & 3) << 4)  # [N, SB, 8]: bits of sc at 0, of m at 4
+    out[..., 8:12] = hi[..., 0::2] | (hi[..., 1::2] << 2)
+    out[..., 12:16] = np.stack([d.astype(np.float16), dmin.astype(np.float16)],
+                               axis=-1).view(np.uint8).reshape(n, nsb, 4)
+    return out.reshape(n, nsb * Q4_K_PARAM_BYTES)
+
+
+def unpack_q4_k_params(params: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(sc, m [N, SB, 8] as uint8; d, dmin [N, SB] as float16) of q4f32_k's parameter bytes."""
+    n = params.shape[0]
+    blocks = params.reshape(n, -1, Q4_K_PARAM_BYTES)
+    lo = blocks[..., :8]
+    hi = np.repeat(blocks[..., 8:12], 2, axis=-1) >> np.tile(np.array([0, 2], np.uint8), 4)
+    sc = (lo & 15) | ((hi & 3) << 4)
+    m = (lo >> 4) | (((hi >> 4) & 3) << 4)
+    dd = np.ascontiguousarray(blocks[..., 12:16]).view(np.float16)
+    return sc, m, dd[..., 0], dd[..., 1]
 
 
 def padded_k(k: int) -> int:
@@ -437,11 +467,8 @@ def quantize_q4_k(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     safe = np.where(s_eff == 0, np.float32(1), s_eff)
     q = np.rint((supers_of - min_eff[..., None]) / safe[..., None])
     q = np.clip(q, 0, 15).astype(np.int32).reshape(n, nsb * SUPER_GROUPS * GROUP_SIZE)[:, :kp]
-    params = np.empty((n, q4_k_width(kg)), np.uint8)
-    sc_m = np.stack([sc, m], axis=-1).reshape(n, nsb * SUPER_GROUPS * 2)
-    params[:, : 2 * kg] = sc_m[:, : 2 * kg].astype(np.uint8)
-    supers = np.stack([d, dmin], axis=-1).reshape(n, 2 * nsb)
-    params[:, 2 * kg:] = supers.view(np.uint8).reshape(n, 4 * nsb)
+    params = pack_q4_k_params(sc.reshape(n, nsb, SUPER_GROUPS), m.reshape(n, nsb, SUPER_GROUPS),
+                              d.reshape(n, nsb), dmin.reshape(n, nsb))
     return _pack_nibbles(q), params
 
 
@@ -449,14 +476,12 @@ def q4_k_scale_min(params: np.ndarray, groups: int) -> np.ndarray:
     """q4f32_k's group parameters [N, `q4_k_width`(groups)] as float32 scales and mins side
     by side [N, 2 groups] (d * sc and -(dmin * m), as the kernels compute them)."""
     n = params.shape[0]
-    nsb = -(-groups // SUPER_GROUPS)
-    sc_m = params[:, : 2 * groups].astype(np.float32).reshape(n, groups, 2)
-    supers = np.ascontiguousarray(params[:, 2 * groups:]).view(np.float16)
-    supers = supers.astype(np.float32).reshape(n, nsb, 2)
-    sb = np.arange(groups) // SUPER_GROUPS
+    sc, m, d, dmin = unpack_q4_k_params(params)
     out = np.empty((n, groups, 2), np.float32)
-    out[..., 0] = sc_m[..., 0] * supers[:, sb, 0]
-    out[..., 1] = -(sc_m[..., 1] * supers[:, sb, 1])
+    scales = sc.astype(np.float32) * d.astype(np.float32)[..., None]  # [N, SB, 8]
+    mins = m.astype(np.float32) * dmin.astype(np.float32)[..., None]
+    out[..., 0] = scales.reshape(n, -1)[:, :groups]
+    out[..., 1] = -mins.reshape(n, -1)[:, :groups]
     return out.reshape(n, 2 * groups)
 
 

@@ -21,6 +21,7 @@ from localchat.engine.build.quantization import (
     GROUP_SIZE,
     K_SCALE_DTYPE,
     NIBBLES_PER_WORD,
+    Q4_K_PARAM_BYTES,
     SUPER_GROUPS,
     padded_k,
     q4_k_width,
@@ -96,11 +97,19 @@ def f16_bytes(s, row, at):
     return T.Cast("float32", T.reinterpret("float16", bits))
 
 
-def _super_param(s, row, kg: int, g, which: int):
+def _super_param(s, row, g, which: int):
     """Float32 d (which 0) or -dmin (1) of the super-block holding group g, from the
-    little-endian float16 bytes after a q4f32_k row's 2 kg bytes of sc and m."""
-    value = f16_bytes(s, row, 2 * kg + (g // SUPER_GROUPS) * 4 + 2 * which)
+    little-endian float16 bytes 12 and 14 of its `Q4_K_PARAM_BYTES` in a q4f32_k row."""
+    value = f16_bytes(s, row, (g // SUPER_GROUPS) * Q4_K_PARAM_BYTES + 12 + 2 * which)
     return value if which == 0 else T.float32(0) - value
+
+
+def _six_bit(lo, hi, which: int, hi_shift):
+    """Group parameter `which` (0 sc, 1 m) from its super-block's low-nibble byte `lo` and
+    high-bits byte `hi` (int32, scalar or vector), `hi_shift` = 2 (i % 2) for group i."""
+    low = T.bitwise_and(lo, 15) if which == 0 else T.shift_right(lo, 4)
+    high = T.bitwise_and(T.shift_right(hi, hi_shift + 4 * which), 3)
+    return T.bitwise_or(low, T.shift_left(high, 4))
 
 
 def asym_layout(scale_dtype: str | None):
@@ -114,30 +123,54 @@ def asym_width(layout, kg: int) -> int:
     return q4_k_width(kg) if layout == Q4K else 2 * kg
 
 
-def group_param(s, row, g, which: int, asym, kg: int):
+def group_param(s, row, g, which: int, asym):
     """Float32 scale (which 0) or min (1) of group g of row `row` of an asymmetric weight's
-    parameters s: side by side at 2 g + which, or in q4f32_k's form (`asym` == Q4K; kg: groups
-    per row) d * sc and -dmin * m, exact in float32."""
+    parameters s: side by side at 2 g + which, or in q4f32_k's form (`asym` == Q4K) d * sc and
+    -dmin * m, exact in float32."""
     if asym == Q4K:
-        return T.Cast("float32", s[row, 2 * g + which]) * _super_param(s, row, kg, g, which)
+        base = (g // SUPER_GROUPS) * Q4_K_PARAM_BYTES
+        i = g % SUPER_GROUPS
+        value = _six_bit(T.Cast("int32", s[row, base + i]),
+                         T.Cast("int32", s[row, base + 8 + i // 2]), which, 2 * (i % 2))
+        return T.Cast("float32", value) * _super_param(s, row, g, which)
     return T.Cast("float32", s[row, 2 * g + which])
 
 
-def group_params_vec(s, row, g0, lanes: int, which: int, asym, kg: int):
+def group_params_vec(s, row, g0, lanes: int, which: int, asym):
     """`group_param` of the `lanes` groups from g0 as one float32 vector (one load of the pairs,
     split by a shuffle); in q4f32_k's form g0 must be a multiple of min(lanes, 8) (the lanes
     span whole super-blocks, or lie in one)."""
-    pairs = s[row, T.Ramp(2 * g0, 1, 2 * lanes)]
-    value = T.Cast(f"float32x{lanes}",
-                   tirx.Shuffle([pairs], [2 * i + which for i in range(lanes)]))
     if asym != Q4K:
-        return value
+        pairs = s[row, T.Ramp(2 * g0, 1, 2 * lanes)]
+        return T.Cast(f"float32x{lanes}",
+                      tirx.Shuffle([pairs], [2 * i + which for i in range(lanes)]))
     assert lanes in (4, 8, 16), lanes
-    # the d and dmin of the lanes' super-blocks: one load of their float16 bytes, converted
-    # together, each lane taking its super-block's
-    blocks = -(-lanes // SUPER_GROUPS)
-    raw = s[row, T.Ramp(2 * kg + g0 // SUPER_GROUPS * 4, 1, 4 * blocks)]
-    supers = T.Cast(f"float32x{2 * blocks}", T.reinterpret(f"float16x{2 * blocks}", raw))
+    i32 = f"int32x{lanes}"
+    # 2 (i % 2) for the lanes' groups i (the first is even)
+    shift = T.shift_left(T.bitwise_and(T.Ramp(0, 1, lanes), T.Broadcast(1, lanes)),
+                         T.Broadcast(1, lanes))
+    if lanes == 4:
+        # half a super-block (g0 % 8 is 0 or 4, known only at run time): its 4 low-nibble
+        # bytes and 2 high-bits bytes loaded directly, its d or dmin broadcast
+        at, first = g0 // SUPER_GROUPS * Q4_K_PARAM_BYTES, g0 % SUPER_GROUPS
+        lo = T.Cast(i32, s[row, T.Ramp(at + first, 1, 4)])
+        pair = s[row, T.Ramp(at + 8 + first // 2, 1, 2)]
+        hi = T.Cast(i32, tirx.Shuffle([pair, pair], [0, 0, 1, 1]))
+        return T.Cast(f"float32x{lanes}", _six_bit(lo, hi, which, shift)) * T.Broadcast(
+            _super_param(s, row, g0, which), lanes)
+    # whole super-blocks: one load of their bytes; each lane takes its group's low-nibble byte
+    # and high-bits byte by shuffles, and its super-block's d or dmin (float16 bytes, converted
+    # together)
+    blocks = lanes // SUPER_GROUPS
+    raw = s[row, T.Ramp(g0 // SUPER_GROUPS * Q4_K_PARAM_BYTES, 1, Q4_K_PARAM_BYTES * blocks)]
+    at = [(i // SUPER_GROUPS) * Q4_K_PARAM_BYTES for i in range(lanes)]
+    part = [i % SUPER_GROUPS for i in range(lanes)]
+    lo = T.Cast(i32, tirx.Shuffle([raw], [at[i] + part[i] for i in range(lanes)]))
+    hi = T.Cast(i32, tirx.Shuffle([raw], [at[i] + 8 + part[i] // 2 for i in range(lanes)]))
+    value = T.Cast(f"float32x{lanes}", _six_bit(lo, hi, which, shift))
+    dd = tirx.Shuffle([raw], [b * Q4_K_PARAM_BYTES + 12 + j for b in range(blocks)
+                              for j in range(4)])
+    supers = T.Cast(f"float32x{2 * blocks}", T.reinterpret(f"float16x{2 * blocks}", dd))
     # (a Shuffle returns at most as many lanes as its inputs have: the pair repeated)
     copies = -(-lanes // (2 * blocks))
     factor = tirx.Shuffle([supers] * copies,

@@ -142,8 +142,8 @@ def _gemm(
 
         def value(w, s, j, kk):
             g = kk // GROUP_SIZE
-            return T.Cast(F32, _nibble(w, j, kk)) * group_param(s, j, g, 0, layout, kg) + \
-                group_param(s, j, g, 1, layout, kg)
+            return T.Cast(F32, _nibble(w, j, kk)) * group_param(s, j, g, 0, layout) + \
+                group_param(s, j, g, 1, layout)
 
     @T.macro
     def pack_w(wp, w, s, j0, cols, k0, klen):

@@ -115,28 +115,28 @@ def _nibble_dot(w, xp, row, r, word, centered: bool = False, mx: bool = False):
     return total
 
 
-def _param(s, row, group, stride: int, offset: int, layout=True, kg: int = 0):
+def _param(s, row, group, stride: int, offset: int, layout=True):
     """Group `group`'s parameter as float32: s[row, group] (symmetric scale; MX: an E8M0
     exponent), or with `stride` 2 the asymmetric scale (offset 0) or min (1) in `layout`
-    (`common.group_param`'s `asym`: True, or Q4K with kg groups per row)."""
+    (`common.group_param`'s `asym`: True, or Q4K)."""
     if stride == 2:
-        return group_param(s, row, group, offset, layout, kg)
+        return group_param(s, row, group, offset, layout)
     if layout == MX:
         return e8m0(s[row, group])
     return T.Cast(F32, s[row, group])
 
 
 def _lane_scale(s, row, group0, e, groups: int = GROUPS_PER_VEC, stride: int = 1, offset: int = 0,
-                layout=True, kg: int = 0):
+                layout=True):
     """The scale of lane e's group, s[row, group0 + e // 4], as a select over the `groups` groups
     of a vector, so the vectorizer emits broadcasts and blends instead of a gather (`stride`,
-    `offset`: s[row, (group0 + e // 4) * stride + offset], the asymmetric scale or min; `layout`,
-    `kg`: as `_param`'s)."""
-    value = _param(s, row, group0 + groups - 1, stride, offset, layout, kg)
+    `offset`: s[row, (group0 + e // 4) * stride + offset], the asymmetric scale or min; `layout`:
+    as `_param`'s)."""
+    value = _param(s, row, group0 + groups - 1, stride, offset, layout)
     for g in range(groups - 2, -1, -1):
         value = T.Select(
             e < (g + 1) * WORDS_PER_GROUP,
-            _param(s, row, group0 + g, stride, offset, layout, kg),
+            _param(s, row, group0 + g, stride, offset, layout),
             value,
         )
     return value
@@ -199,7 +199,6 @@ def gemv_q4_macro(
         rb, vu = divisor(n, (ROWS, 2)), divisor(nv, (VEC_UNROLL, 2))
     prepare = transpose_x(k, with_sums=not avx512 or asym)
     v16 = f"float32x{LANES}"
-    kg = padded_k(k) // GROUP_SIZE
 
     def lookup(words_u32, p: int):
         """float(q_p - 8) (asym: float(q_p)) for nibble p of 16 words: vpermps over the table
@@ -220,12 +219,12 @@ def gemv_q4_macro(
         `offset`: as `_lane_scale`'s)."""
         lane = T.Ramp(T.int32(0), T.int32(1), LANES)
         value = T.Broadcast(
-            _param(s, row, g0 + GROUPS_PER_VEC - 1, stride, offset, layout, kg), LANES
+            _param(s, row, g0 + GROUPS_PER_VEC - 1, stride, offset, layout), LANES
         )
         for g in range(GROUPS_PER_VEC - 2, -1, -1):
             value = T.Select(
                 lane < T.Broadcast(T.int32((g + 1) * WORDS_PER_GROUP), LANES),
-                T.Broadcast(_param(s, row, g0 + g, stride, offset, layout, kg), LANES),
+                T.Broadcast(_param(s, row, g0 + g, stride, offset, layout), LANES),
                 value,
             )
         return value
@@ -245,9 +244,9 @@ def gemv_q4_macro(
         """Lane e's share of row `row` of W times row r of x: word wd0 + e, of the groups from
         g0 (4 words each)."""
         if asym:
-            return _lane_scale(s, row, g0, e, groups, 2, 0, layout, kg) * _nibble_dot(
+            return _lane_scale(s, row, g0, e, groups, 2, 0, layout) * _nibble_dot(
                 w, xp, row, r, wd0 + e
-            ) + _lane_scale(s, row, g0, e, groups, 2, 1, layout, kg) * xs[r, wd0 + e]
+            ) + _lane_scale(s, row, g0, e, groups, 2, 1, layout) * xs[r, wd0 + e]
         if mx:
             return _lane_scale(s, row, g0, e, groups, 1, 0, layout) * _nibble_dot(
                 w, xp, row, r, wd0 + e, mx=True)
@@ -293,9 +292,9 @@ def gemv_q4_macro(
         """Lane e of the last, narrower vector of words."""
         g0, groups = nv * GROUPS_PER_VEC, tw // WORDS_PER_GROUP
         if asym:
-            return _lane_scale(s, row, g0, e, groups, 2, 0, layout, kg) * _nibble_dot(
+            return _lane_scale(s, row, g0, e, groups, 2, 0, layout) * _nibble_dot(
                 w, xp, row, r, nv * LANES + e
-            ) + _lane_scale(s, row, g0, e, groups, 2, 1, layout, kg) * xs[r, nv * LANES + e]
+            ) + _lane_scale(s, row, g0, e, groups, 2, 1, layout) * xs[r, nv * LANES + e]
         return _lane_scale(s, row, g0, e, groups, 1, 0, layout) * _nibble_dot(
             w, xp, row, r, nv * LANES + e, centered=True, mx=mx
         )
@@ -762,8 +761,8 @@ def gemv_q4_vnni_macro(
                 [w[row, T.Ramp(u * 4 * ug + v * ug, 1, ug)] for v in range(4)], ug
             )
             if asym:
-                sl[T.Ramp(0, 1, ug)] = group_params_vec(s, row, u * ug, ug, 0, layout, kg)
-                ml[T.Ramp(0, 1, ug)] = group_params_vec(s, row, u * ug, ug, 1, layout, kg)
+                sl[T.Ramp(0, 1, ug)] = group_params_vec(s, row, u * ug, ug, 0, layout)
+                ml[T.Ramp(0, 1, ug)] = group_params_vec(s, row, u * ug, ug, 1, layout)
             else:
                 sl[T.Ramp(0, 1, ug)] = sym_scales(s[row, T.Ramp(u * ug, 1, ug)], ug)
             unit(wl, sl, ml, f16, xq, xs, xo, r0, nrows, u * ug, ug)
@@ -788,8 +787,8 @@ def gemv_q4_vnni_macro(
                 [w[row, T.Ramp(g4 * WORDS_PER_GROUP + u * LANES, 1, LANES)]], 4
             )
             if asym:
-                sl[T.Ramp(0, 1, 4)] = group_params_vec(s, row, g4 + u * 4, 4, 0, layout, kg)
-                ml[T.Ramp(0, 1, 4)] = group_params_vec(s, row, g4 + u * 4, 4, 1, layout, kg)
+                sl[T.Ramp(0, 1, 4)] = group_params_vec(s, row, g4 + u * 4, 4, 0, layout)
+                ml[T.Ramp(0, 1, 4)] = group_params_vec(s, row, g4 + u * 4, 4, 1, layout)
             else:
                 sl[T.Ramp(0, 1, 4)] = sym_scales(s[row, T.Ramp(g4 + u * 4, 1, 4)], 4)
             tail_unit(wl, sl, ml, f4, xq, xs, xo, x4[0], x4[1], x4[2], r0, nrows, g4 + u * 4, u,
@@ -853,11 +852,11 @@ def gemv_q4_vnni_macro(
             if asym:
                 for i in range(4):
                     st[tb * 4 + i] = T.Select(
-                        i < part, group_param(s, row, T.min(gp + i, kg - 1), 0, layout, kg),
+                        i < part, group_param(s, row, T.min(gp + i, kg - 1), 0, layout),
                         T.float32(0)
                     )
                     mt[tb * 4 + i] = T.Select(
-                        i < part, group_param(s, row, T.min(gp + i, kg - 1), 1, layout, kg),
+                        i < part, group_param(s, row, T.min(gp + i, kg - 1), 1, layout),
                         T.float32(0),
                     )
             else:

@@ -112,9 +112,8 @@ def _dequant_value(
     nibble = _nibble(words, row, col)
     if asym:
         layout = asym_layout(scale.dtype)
-        kg = (words.shape[1] * NIBBLES_PER_WORD) // GROUP_SIZE
-        value = nibble.astype("float32") * group_param(scale, row, group, 0, layout, kg) + \
-            group_param(scale, row, group, 1, layout, kg)
+        value = nibble.astype("float32") * group_param(scale, row, group, 0, layout) + \
+            group_param(scale, row, group, 1, layout)
         return value.astype(dtype)
     # the scale may be float16 under float32 activations (the modes holding llama.cpp's Q4_0)
     return (nibble.astype("int32") - 8).astype(dtype) * scale[row, group].astype(dtype)
