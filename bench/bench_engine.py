@@ -4,6 +4,7 @@
                                  [--skip-llama-cpp] [--skip-agreement] [--batches 1,4,16]
                                  [--quant q4f32_1,q4f32_0,q4f32_asym,q0f32]
                                  [--peer Q4_0,Q4_K_M,Q4_1] [--long 4000 | --long 0]
+                                 [--rounds N]
 
 Shapes:
 
@@ -38,7 +39,12 @@ is given as a fraction of that roofline: weight bytes read per token x tok/s / b
 bytes counted from the files themselves (the layers' matrices and the LM head, tied or not: a
 GGUF's tensor sizes, our tensor cache's records). Ours also decodes 1, 4 and 16 sequences at once
 (`Model.decode` on a list of sequences; tok/s summed over the sequences). Each configuration runs
-in its own process so peak RSS is its own. llama-cpp-python's wheel here is built for AVX2
+in its own process so peak RSS is its own. `--rounds N` runs every configuration N times, the
+rounds interleaved and each in a rotated order: the table gives each engine's medians (its
+roofline fraction the median of each run's against the bandwidth around it), and a last section
+each round's ratio of ours to that round's fastest peer (runs minutes apart, so at nearly the
+same bandwidth), median and range: on this shared VM one run's ratio moves by +-20% with the
+neighbours' load. llama-cpp-python's wheel here is built for AVX2
 (no AVX-512): on a CPU without AVX-512 that is llama.cpp's best build; the table prints the
 build's features.
 """
@@ -508,6 +514,52 @@ def child(args: list[str], threads: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+METRICS = ("prefill_tok_s", "decode_tok_s", "long_decode_tok_s")
+
+
+def _roof(r: dict) -> float:
+    """Decode as a fraction of the read roofline of the bandwidth sampled around the run."""
+    return r["bytes_per_token"] * r["decode_tok_s"] / (r["read_gb_s"] * 1e9)
+
+
+def _median_row(runs: list[dict]) -> dict:
+    """One engine's row from its runs: the median of each rate, of the bandwidth and of the
+    roofline fraction (each run against its own bandwidth); the rest from the first run."""
+    import statistics
+
+    row = dict(runs[0])
+    for key in (*METRICS, "read_gb_s", "peak_rss_mb"):
+        if all(r.get(key) for r in runs):
+            row[key] = statistics.median(r[key] for r in runs)
+    row["roof"] = statistics.median(_roof(r) for r in runs)
+    return row
+
+
+def _print_paired(paired: list[tuple[int, dict]], quants: list[str], rounds: int) -> None:
+    """Per round, each of our modes against the fastest peer of the same round (the runs
+    nearest in time, so nearest in bandwidth): the median ratio and its range."""
+    import statistics
+
+    print(f"\npaired, per round ({rounds} rounds): ours / the round's fastest llama.cpp row, "
+          "median (min-max)")
+    for quant in quants:
+        for threads in sorted({t for t, _ in paired}):
+            cells = []
+            for key, label in zip(METRICS, ("prefill", "decode", "long decode"), strict=True):
+                ratios = []
+                for t, runs in paired:
+                    peers = [r[key] for name, r in runs.items()
+                             if t == threads and name.startswith("llama.cpp") and r.get(key)]
+                    mine = runs.get(f"localchat {quant}", {}).get(key)
+                    if peers and mine and t == threads:
+                        ratios.append(mine / max(peers))
+                if ratios:
+                    cells.append(f"{label} {statistics.median(ratios):.2f}x "
+                                 f"({min(ratios):.2f}-{max(ratios):.2f})")
+            if cells:
+                print(f"  {quant} {threads}t: " + "; ".join(cells))
+
+
 def _ratio(value: float | None, best: float | None) -> str:
     return f"{value / best:.2f}" if value and best else "-"
 
@@ -530,6 +582,10 @@ def main() -> None:
                         help=f"tokens before the long-context decode row (default: {LONG_PROMPT} "
                         "for 1b and 3b, 0 (none) for smollm2)")
     parser.add_argument("--batches", default="1,4,16", help="sequences decoded at once")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every engine this many times, interleaved (each round in a "
+                        "rotated order); the table gives medians and the ratios of each round "
+                        "(this VM's bandwidth moves by tens of percent within minutes)")
     parser.add_argument("--child", default=None)
     args = parser.parse_args()
     BATCH_SIZES = tuple(int(b) for b in args.batches.split(","))
@@ -598,13 +654,19 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     batched, everything = [], []
+    engines = [(f"llama.cpp {q}", ["--child", f"llama.cpp:{q}"]) for q in peers] + [
+        (f"localchat {quant}", ["--child", quant, "--batches", args.batches]) for quant in quants]
+    paired = []  # per thread count and round: ours / the round's fastest peer
     for threads in thread_list:
-        rows = [timed(f"llama.cpp {q}", ["--child", f"llama.cpp:{q}"], threads) for q in peers]
+        samples: dict[str, list[dict]] = {name: [] for name, _ in engines}
+        for rnd in range(max(1, args.rounds)):
+            shift = rnd % len(engines)  # no engine always runs first, or always after another
+            for name, child_args in engines[shift:] + engines[:shift]:
+                samples[name].append(timed(name, child_args, threads))
+            paired.append((threads, {name: runs[-1] for name, runs in samples.items()}))
+        rows = [_median_row(runs) for runs in samples.values()]
         for r in rows:
-            r["peer"] = True
-        for quant in quants:
-            rows.append(timed(f"localchat {quant}", ["--child", quant, "--batches", args.batches],
-                              threads))
+            r["peer"] = r["name"].startswith("llama.cpp")
         peer_rows = [r for r in rows if r.get("peer")]
         tops = {key: max((r for r in peer_rows if r.get(key)), key=lambda r, k=key: r[k],
                          default=None)
@@ -612,9 +674,7 @@ def main() -> None:
         for r in rows:
             r["threads"] = threads
             cells = [_ratio(r.get(key), top[key] if top else None) for key, top in tops.items()]
-            roof = "-"
-            if "q0" not in r["name"]:
-                roof = f"{r['bytes_per_token'] * r['decode_tok_s'] / (r['read_gb_s'] * 1e9):.0%}"
+            roof = "-" if "q0" in r["name"] else f"{r['roof']:.0%}"
             longd = f"{r['long_decode_tok_s']:.1f}" if r.get("long_decode_tok_s") else "-"
             print(
                 f"{r['name']:<24}{threads:>4}{r['bytes_per_token'] / 1e6:>8.0f}"
@@ -653,6 +713,8 @@ def main() -> None:
                     m = max(mine, key=lambda r: r[key])
                     line.append(f"{quant} {m['threads']}t {m[key]:.1f} ({m[key] / top[key]:.2f}x)")
             print("  " + "; ".join(line))
+    if args.rounds > 1 and peers and len(engines) > len(peers):
+        _print_paired(paired, quants, args.rounds)
     q4 = [q for q in quants if q.startswith("q4")]
     if args.shape == "smollm2" and not args.skip_agreement and q4:
         agree = child(["--child", "agree", "--shape", args.shape, "--quant", ",".join(q4)],
