@@ -66,6 +66,7 @@ from localchat.engine.kernels.common import (
     LANES,
     MX,
     NIBBLES_PER_WORD,
+    PREFETCH_AHEAD,
     WORDS_PER_GROUP,
     asym_layout,
     asym_width,
@@ -75,6 +76,7 @@ from localchat.engine.kernels.common import (
     group_params_vec,
     lane_tree,
     padded_k,
+    prefetch,
     row_prefetch,
     rows_lane_tree,
     scheduled,
@@ -86,6 +88,7 @@ ROWS = 4  # rows of W per work item (generic kernel)
 VEC_UNROLL = 4  # word vectors of one row in flight (independent FMA chains)
 LONG_K = 4096  # beyond this reduction size the AVX-512 kernel shares x between rows
 LONG_ROWS = 8  # rows sharing each load of x when k > LONG_K
+LONG_ROW_BYTES = 2048  # decode: longer rows of W spread their prefetches (`gemv_q4_vnni_macro`)
 LONG_VEC_UNROLL = 1  # word vectors in flight per row when k > LONG_K
 F32 = "float32"
 
@@ -740,6 +743,12 @@ def gemv_q4_vnni_macro(
             return sums16 + sums4
         return sums16 if only16 else sums4
 
+    # decode: W prefetched PREFETCH_AHEAD bytes ahead; rows longer than LONG_ROW_BYTES spread
+    # their prefetches over their units (a row's worth at once overflows the core's queue of
+    # misses: k = 8192 read 42-43 GB/s so, 51-52 spread, probe 51), shorter rows get the next
+    # rows' lines as each row starts (k = 2048, 2560: 3-6% faster than spread)
+    spread = kw * 4 > LONG_ROW_BYTES
+    ahead_words = PREFETCH_AHEAD // 4
     store = _store_macro(dtype, bias)
     nr = divisor(n, (TILE_ROWS, 32, 16, 8, 4, 2))  # rows of W per tile (prefill)
     # units per chunk of the reduction (prefill): CHUNK_K values of k; one chunk when k is short
@@ -747,16 +756,23 @@ def gemv_q4_vnni_macro(
     nchunks = -(-nb // chunk_units) if nb * ug * GROUP_SIZE > LONG_CHUNKED_K else 1
 
     @T.macro
-    def units16(w, s, xq, xs, xo, f16, row, r0, nrows, u0, u1):
+    def units16(w, s, xq, xs, xo, f16, row, r0, nrows, u0, u1, pf):
         """Units [u0, u1) of 16 (AVX2: 8) groups of W's row `row`, added to the accumulators
-        f16 [nrows * ug] of the rows r0.. of x."""
+        f16 [nrows * ug] of the rows r0.. of x; `pf` (decode): each unit prefetches the lines
+        `PREFETCH_AHEAD` bytes past its own in W's memory (`common.prefetch`)."""
         wl = T.alloc_buffer((8 * ug,), "uint32")
+        if pf:
+            wf = T.decl_buffer((n * kw,), "uint32", data=w.data, elem_offset=w.elem_offset)
         sl = T.alloc_buffer((ug,), F32)
         if asym:
             ml = T.alloc_buffer((ug,), F32)
         else:
             ml = T.meta_var(None)
         for u in range(u0, u1):
+            if pf:
+                for line in T.unroll(ug // 4):
+                    prefetch(wf, T.min(row * kw + u * 4 * ug + line * 16 + ahead_words,
+                                       n * kw - 1))
             wl[T.Ramp(0, 1, 8 * ug)] = unpack(
                 [w[row, T.Ramp(u * 4 * ug + v * ug, 1, ug)] for v in range(4)], ug
             )
@@ -819,11 +835,11 @@ def gemv_q4_vnni_macro(
                     store(y, b, r0 + rr, row, sum_lanes(f4, rr * 4, 4))
 
     @T.macro
-    def block(w, s, b, y, xq, xs, xo, wt, st, mt, tb, row, r0, nrows, x4, combined):
+    def block(w, s, b, y, xq, xs, xo, wt, st, mt, tb, row, r0, nrows, x4, combined, pf):
         f16 = T.alloc_buffer((nrows * ug,), F32)
         for a in T.unroll(nrows):
             f16[T.Ramp(a * ug, 1, ug)] = T.Broadcast(T.float32(0), ug)
-        units16(w, s, xq, xs, xo, f16, row, r0, nrows, 0, nb)
+        units16(w, s, xq, xs, xo, f16, row, r0, nrows, 0, nb, pf)
         finish(w, s, b, y, xq, xs, xo, wt, st, mt, tb, f16, row, r0, nrows, x4, combined)
 
     @T.macro
@@ -834,7 +850,7 @@ def gemv_q4_vnni_macro(
         for a in T.unroll(rows):
             f16[T.Ramp(a * ug, 1, ug)] = acc[T.Ramp(base + a * ug, 1, ug)]
         units16(w, s, xq, xs, xo, f16, row, r0, rows, c * chunk_units,
-                T.min(c * chunk_units + chunk_units, nb))
+                T.min(c * chunk_units + chunk_units, nb), False)
         for a in T.unroll(rows):
             acc[T.Ramp(base + a * ug, 1, ug)] = f16[T.Ramp(a * ug, 1, ug)]
 
@@ -885,14 +901,15 @@ def gemv_q4_vnni_macro(
                    x4, True)
 
     @T.macro
-    def tail_blocks(w, s, b, y, xq, xs, xo, wt, st, mt, tb, row, m, x4, combined):
+    def tail_blocks(w, s, b, y, xq, xs, xo, wt, st, mt, tb, row, m, x4, combined, pf):
         """The rows of x after the whole blocks of `rows`, in blocks of 4, 2 and 1."""
         if m % rows >= 4:
-            block(w, s, b, y, xq, xs, xo, wt, st, mt, tb, row, m - m % rows, 4, x4, combined)
+            block(w, s, b, y, xq, xs, xo, wt, st, mt, tb, row, m - m % rows, 4, x4, combined,
+                  pf)
         if m % 4 >= 2:
-            block(w, s, b, y, xq, xs, xo, wt, st, mt, tb, row, m - m % 4, 2, x4, False)
+            block(w, s, b, y, xq, xs, xo, wt, st, mt, tb, row, m - m % 4, 2, x4, False, pf)
         if m % 2 == 1:
-            block(w, s, b, y, xq, xs, xo, wt, st, mt, tb, row, m - 1, 1, x4, False)
+            block(w, s, b, y, xq, xs, xo, wt, st, mt, tb, row, m - 1, 1, x4, False, pf)
 
     ahead = row_prefetch(n, kw, 4)  # decode: W's rows ahead
 
@@ -931,10 +948,10 @@ def gemv_q4_vnni_macro(
                     for rb in range(m // rows):
                         for rr in range(nr):
                             block(w, s, b, y, xq, xs, xo, wt, st, mt, rr, tile * nr + rr,
-                                  rb * rows, rows, x4, True)
+                                  rb * rows, rows, x4, True, False)
                 for rr in range(nr):
                     tail_blocks(w, s, b, y, xq, xs, xo, wt, st, mt, rr, tile * nr + rr, m, x4,
-                                True)
+                                True, False)
         else:
             # a constant m of 4 or more (the MoE experts' blocks of rows) combines as prefill
             # does; decode's one row cannot
@@ -951,12 +968,14 @@ def gemv_q4_vnni_macro(
                     mt = T.alloc_buffer((4,), F32)
                 else:
                     mt = T.meta_var(None)
-                ahead(w, row)
+                if not spread:
+                    ahead(w, row)
                 part_copy(w, s, wt, st, mt, 0, row)
                 for rb in range(m // rows):
                     block(w, s, b, y, xq, xs, xo, wt, st, mt, 0, row, rb * rows, rows, x4,
-                          fixed4(m))
-                tail_blocks(w, s, b, y, xq, xs, xo, wt, st, mt, 0, row, m, x4, fixed4(m))
+                          fixed4(m), spread)
+                tail_blocks(w, s, b, y, xq, xs, xo, wt, st, mt, 0, row, m, x4, fixed4(m),
+                            spread)
 
     return vnni
 
