@@ -208,12 +208,12 @@ def test_smollm2_q4_asym_top1_agreement_with_q0f32(smollm2_greedy) -> None:
 
 
 @pytest.mark.parametrize("kind,k", [("q4", 2048), ("q4", 8192), ("q4_k", 2048), ("q8", 2048),
-                                    ("q6_k", 2048)])
+                                    ("q6_k", 2048), ("q6_k", 8192)])
 def test_decode_gemvs_prefetch_their_weight_rows_ahead(kind: str, k: int) -> None:
     """Each int8 decode GEMV prefetches W 4 KiB ahead of its reads (one sequential stream per
     thread reads ~15% below the memory's speed without it): the next rows as a row starts
-    (`common.row_prefetch`), or in the 4-bit GEMV, for rows longer than 2 KiB, a line ahead
-    of each line a unit reads."""
+    (`common.row_prefetch`), or in the 4-bit and Q6_K GEMVs, for rows longer than 2 KiB, a
+    line ahead of each line a unit or super-block reads."""
     import tvm
 
     from localchat.engine.kernels.gemv import gemv_q4, gemv_q8

@@ -77,7 +77,8 @@ def _compile(funcs: dict):
     return tvm.compile(mod, cpu_target())
 
 
-@pytest.mark.parametrize("k", [512, 2304])  # 2 super-blocks; 9: chunks of 8 and 1 (prefill)
+@pytest.mark.parametrize("k", [512, 2304, 2816])  # 2 super-blocks; 9: chunks of 8 and 1
+# (prefill); 11: rows of more than 2 KiB, whose decode spreads its prefetches
 def test_gemv_q6_k_equals_numpy_and_does_not_depend_on_the_batch(k: int) -> None:
     """Every form (VNNI or AVX2 int8, float) against numpy; 21 rows of x (tiles of W rows per
     block of 8 rows of x, then 4 and 1) give each row the bits it gets alone."""

@@ -34,12 +34,15 @@ from localchat.engine.build.q6_k import CODE_BYTES, SUB, SUBS, SUPER, param_widt
 from localchat.engine.kernels.common import (
     INT8_ISAS,
     LANES,
+    PREFETCH_AHEAD,
     divisor,
     f16_bytes,
     lane_tree,
+    prefetch,
     row_prefetch,
 )
 from localchat.engine.kernels.gemv import (
+    LONG_ROW_BYTES,
     TILE_ROWS,
     _add,
     _dpbusd,
@@ -95,6 +98,8 @@ def q6_gemv_macro(k: int, n: int, dtype: str, bias: bool, isa: bool | str):
     int8 = isa in INT8_ISAS
     nr = divisor(n, (TILE_ROWS, 32, 16, 8, 4, 2))  # rows of W per tile when x has many rows
     store = _store_macro(dtype, bias)
+    cw = nsb * CODE_BYTES  # code bytes of a row
+    spread = cw > LONG_ROW_BYTES  # decode: prefetches spread over a long row (as the 4-bit GEMV)
 
     @T.macro
     def prep_int8(x, xq, xe, xo, r):
@@ -142,12 +147,20 @@ def q6_gemv_macro(k: int, n: int, dtype: str, bias: bool, isa: bool | str):
         return total
 
     @T.macro
-    def accumulate(w, s, xq, xe, xo, f, base, row, r0, nrows, sb0, sb1):
+    def accumulate(w, s, xq, xe, xo, f, base, row, r0, nrows, sb0, sb1, pf):
         """Super-blocks sb0 .. sb1 - 1 of W's row `row` times x's rows r0 .. r0 + nrows - 1,
-        added to their 16-lane accumulators f[base + rr * 16 ...] in super-block order."""
+        added to their 16-lane accumulators f[base + rr * 16 ...] in super-block order; `pf`
+        (decode, long rows): each super-block prefetches the lines `PREFETCH_AHEAD` bytes past
+        its codes."""
         wv = T.alloc_buffer((QUADS * LANES,), "uint32")
         ws = T.alloc_buffer((LANES,), F32)
+        if pf:
+            wf = T.decl_buffer((n * cw,), "uint8", data=w.data, elem_offset=w.elem_offset)
         for sb in range(sb0, sb1):
+            if pf:
+                for line in T.unroll(CODE_BYTES // 64):
+                    prefetch(wf, T.min(row * cw + sb * CODE_BYTES + line * 64 + PREFETCH_AHEAD,
+                                       n * cw - 1))
             # (the vector index picks masks and shifts: Python constants, so four stores)
             wv[T.Ramp(0, 1, LANES)] = _codes(w, row, sb, 0)
             wv[T.Ramp(LANES, 1, LANES)] = _codes(w, row, sb, 1)
@@ -175,11 +188,11 @@ def q6_gemv_macro(k: int, n: int, dtype: str, bias: bool, isa: bool | str):
                     ) * ws[T.Ramp(0, 1, LANES)]
 
     @T.macro
-    def block(w, s, b, y, xq, xe, xo, row, r0, nrows):
+    def block(w, s, b, y, xq, xe, xo, row, r0, nrows, pf):
         f = T.alloc_buffer((nrows * LANES,), F32)
         for a in T.unroll(nrows):
             f[T.Ramp(a * LANES, 1, LANES)] = T.Broadcast(T.float32(0), LANES)
-        accumulate(w, s, xq, xe, xo, f, 0, row, r0, nrows, 0, nsb)
+        accumulate(w, s, xq, xe, xo, f, 0, row, r0, nrows, 0, nsb, pf)
         for rr in range(nrows):
             store(y, b, r0 + rr, row, lane_tree(f[T.Ramp(rr * LANES, 1, LANES)], LANES, _add))
 
@@ -195,27 +208,27 @@ def q6_gemv_macro(k: int, n: int, dtype: str, bias: bool, isa: bool | str):
         for c in range(nsb // CHUNK_SUPERS):
             for rr in range(nr):
                 accumulate(w, s, xq, xe, xo, acc, rr * ROWS * LANES, tile * nr + rr, r0, ROWS,
-                           c * CHUNK_SUPERS, c * CHUNK_SUPERS + CHUNK_SUPERS)
+                           c * CHUNK_SUPERS, c * CHUNK_SUPERS + CHUNK_SUPERS, False)
         if nsb % CHUNK_SUPERS != 0:
             for rr in range(nr):
                 accumulate(w, s, xq, xe, xo, acc, rr * ROWS * LANES, tile * nr + rr, r0, ROWS,
-                           nsb - nsb % CHUNK_SUPERS, nsb)
+                           nsb - nsb % CHUNK_SUPERS, nsb, False)
         for rr in range(nr):
             for a in range(ROWS):
                 store(y, b, r0 + a, tile * nr + rr,
                       lane_tree(acc[T.Ramp((rr * ROWS + a) * LANES, 1, LANES)], LANES, _add))
 
     @T.macro
-    def tail_rows(w, s, b, y, xq, xe, xo, row, m):
+    def tail_rows(w, s, b, y, xq, xe, xo, row, m, pf):
         """The rows of x after the whole blocks of `ROWS`, in blocks of 4, 2 and 1."""
         if m % ROWS >= 4:
-            block(w, s, b, y, xq, xe, xo, row, m - m % ROWS, 4)
+            block(w, s, b, y, xq, xe, xo, row, m - m % ROWS, 4, pf)
         if m % 4 >= 2:
-            block(w, s, b, y, xq, xe, xo, row, m - m % 4, 2)
+            block(w, s, b, y, xq, xe, xo, row, m - m % 4, 2, pf)
         if m % 2 == 1:
-            block(w, s, b, y, xq, xe, xo, row, m - 1, 1)
+            block(w, s, b, y, xq, xe, xo, row, m - 1, 1, pf)
 
-    ahead = row_prefetch(n, k // SUPER * CODE_BYTES, 1)  # decode: W's rows ahead
+    ahead = row_prefetch(n, cw, 1)  # decode: W's rows ahead (rows up to LONG_ROW_BYTES)
 
     @T.macro
     def body(x, w, s, b, y, m):
@@ -245,15 +258,17 @@ def q6_gemv_macro(k: int, n: int, dtype: str, bias: bool, isa: bool | str):
                         chunked_block(w, s, b, y, xq, xe, xo, tile, rb * ROWS)
                     else:
                         for rr in range(nr):
-                            block(w, s, b, y, xq, xe, xo, tile * nr + rr, rb * ROWS, ROWS)
+                            block(w, s, b, y, xq, xe, xo, tile * nr + rr, rb * ROWS, ROWS,
+                                  False)
                 for rr in range(nr):
-                    tail_rows(w, s, b, y, xq, xe, xo, tile * nr + rr, m)
+                    tail_rows(w, s, b, y, xq, xe, xo, tile * nr + rr, m, False)
         else:
             for row in T.parallel(n):
-                ahead(w, row)
+                if not spread:
+                    ahead(w, row)
                 for rb in range(m // ROWS):
-                    block(w, s, b, y, xq, xe, xo, row, rb * ROWS, ROWS)
-                tail_rows(w, s, b, y, xq, xe, xo, row, m)
+                    block(w, s, b, y, xq, xe, xo, row, rb * ROWS, ROWS, spread)
+                tail_rows(w, s, b, y, xq, xe, xo, row, m, spread)
 
     return body
 
