@@ -3,7 +3,7 @@
 
     python bench/bench_moe.py [--shape qwen3-30b-a3b|gpt-oss-20b] [--layers N] [--quant q4f32_1]
                               [--prompt 128] [--decode 32] [--experts E] [--top K]
-                              [--peer Q4_0,Q4_K_M]
+                              [--peer Q4_0,Q4_K_M] [--rounds N]
     python bench/bench_moe.py --shape gpt-oss-20b --layers 4 --peer MXFP4_MOE,Q4_K_M
 
 Shapes (`--shape`; `--layers`, `--experts` and `--top` default to the shape's):
@@ -38,8 +38,12 @@ timed in a process of its own at 1 and 2 threads (`--peer-threads`) as bench/ben
 times its peer: prefill of the same prompt, then greedy decode steps. A table then gives ours
 and each peer row: prefill and decode tok/s and decode against the same roofline (a GGUF's bytes
 a token reads: all but the token embedding, the merged experts' tensors at top / experts), and
-ours against the fastest peer row. The source GGUF is deleted after the last quantization, each
-quantized file after its timings, so at most the source and one 4-bit file are on the disk.
+ours against the fastest peer row. The source GGUF is deleted after the last quantization, the
+quantized files after the last round (so the source and one 4-bit file, then the 4-bit files, are
+on the disk at once). `--rounds N` times ours and every peer row N times, interleaved (ours kept
+loaded between its rounds): the table gives medians, then each round's ratio of ours to that
+round's fastest peer row, median and range (this VM's bandwidth moves by tens of percent within
+minutes, so one run's ratio is only as good as the bandwidths its rows happened to get).
 """
 
 from __future__ import annotations
@@ -231,43 +235,72 @@ def peer_child(path: Path, threads: int, prompt: int, decode: int, shape: str) -
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def run_peers(src: Path, args: argparse.Namespace, probe) -> list[dict]:
-    """llama.cpp's rows: each --peer type made from the same weights and timed at each thread
-    count; no GGUF is left on the disk."""
+def make_peers(src: Path, args: argparse.Namespace, work: Path) -> list[tuple[str, Path, int]]:
+    """llama.cpp's files of the same weights in `work`: (type, path, bytes a token reads) for
+    each --peer type; the source GGUF is deleted after the last quantization."""
     import moe_gguf
     from gguf_quantize import quantize
 
-    work = src.parent / f"{src.name}-gguf"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir()
-    rows = []
-    try:
-        dtype = moe_gguf.source_type(src, work)
+    dtype = moe_gguf.source_type(src, work)
+    t = time.perf_counter()
+    source = moe_gguf.write_gguf(src, work / f"{dtype}.gguf", dtype)
+    print(f"  peer source GGUF       {dtype}, {source.stat().st_size / 1e9:.2f} GB written in "
+          f"{time.perf_counter() - t:.0f} s", flush=True)
+    peers = []
+    for qtype in args.peer.split(","):
         t = time.perf_counter()
-        source = moe_gguf.write_gguf(src, work / f"{dtype}.gguf", dtype)
-        print(f"  peer source GGUF       {dtype}, {source.stat().st_size / 1e9:.2f} GB written in "
+        path = quantize(source, work / f"{qtype}.gguf", qtype)
+        print(f"  llama.cpp {qtype:<12} {path.stat().st_size / 1e9:.2f} GB, quantized in "
               f"{time.perf_counter() - t:.0f} s", flush=True)
-        qtypes = args.peer.split(",")
-        for i, qtype in enumerate(qtypes):
-            t = time.perf_counter()
-            path = quantize(source, work / f"{qtype}.gguf", qtype)
-            print(f"  llama.cpp {qtype:<12} {path.stat().st_size / 1e9:.2f} GB, quantized in "
-                  f"{time.perf_counter() - t:.0f} s", flush=True)
-            if i == len(qtypes) - 1:
-                source.unlink()  # the last file made from it
-            per_token = moe_gguf.bytes_per_token(path, args.experts, args.top)
-            for threads in (int(n) for n in args.peer_threads.split(",")):
-                before = probe.sample()
-                probe.release()  # not resident while the peer runs
-                r = peer_child(path, threads, args.prompt, args.decode, args.shape)
-                r.update(name=f"llama.cpp {qtype}", threads=threads, bytes_per_token=per_token,
-                         bw=max(before, probe.sample()))
-                probe.release()
-                rows.append(r)
-            path.unlink()
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        peers.append((qtype, path, moe_gguf.bytes_per_token(path, args.experts, args.top)))
+    source.unlink()
+    return peers
+
+
+def time_peer(path: Path, qtype: str, per_token: int, threads: int,
+              args: argparse.Namespace, probe) -> dict:
+    """One llama.cpp row, the bandwidth sampled around it (the probe's buffer released while
+    the peer runs)."""
+    before = probe.sample()
+    probe.release()
+    r = peer_child(path, threads, args.prompt, args.decode, args.shape)
+    r.update(name=f"llama.cpp {qtype}", threads=threads, bytes_per_token=per_token,
+             bw=max(before, probe.sample()))
+    probe.release()
+    return r
+
+
+def median_rows(runs: dict[str, list[dict]]) -> list[dict]:
+    """Each engine's row: the median of its rates and bandwidths over the rounds, its roofline
+    fraction the median of each run's."""
+    import statistics
+
+    rows = []
+    for samples in runs.values():
+        row = dict(samples[0])
+        for key in ("prefill_tok_s", "decode_tok_s", "bw"):
+            row[key] = statistics.median(r[key] for r in samples)
+        row["roof"] = statistics.median(_roof(r) for r in samples)
+        rows.append(row)
     return rows
+
+
+def _roof(r: dict) -> float:
+    return r["bytes_per_token"] * r["decode_tok_s"] / (r["bw"] * 1e9)
+
+
+def print_paired(rounds: list[dict[str, dict]], ours: str) -> None:
+    """Per round, ours against that round's fastest peer row: median and range."""
+    import statistics
+
+    cells = []
+    for key, label in (("decode_tok_s", "decode"), ("prefill_tok_s", "prefill")):
+        ratios = [rnd[ours][key] / max(r[key] for name, r in rnd.items() if name != ours)
+                  for rnd in rounds]
+        cells.append(f"{label} {statistics.median(ratios):.2f}x "
+                     f"({min(ratios):.2f}-{max(ratios):.2f})")
+    print(f"paired, per round ({len(rounds)} rounds): ours / the round's fastest llama.cpp row, "
+          "median (min-max): " + "; ".join(cells))
 
 
 def print_table(rows: list[dict]) -> None:
@@ -275,7 +308,7 @@ def print_table(rows: list[dict]) -> None:
     print(f"\n{'engine':<22}{'thr':>4}{'MB/tok':>8}{'prefill':>9}{'decode':>8}{'GB/s':>6}"
           f"{'of roof':>8}  first tokens")
     for r in rows:
-        roof = r["bytes_per_token"] * r["decode_tok_s"] / (r["bw"] * 1e9)
+        roof = r.get("roof", _roof(r))
         first = " ".join(map(str, r.get("tokens", []))) + ("" if r.get("finite", True)
                                                            else " NON-FINITE LOGITS")
         print(f"{r['name']:<22}{r['threads']:>4}{r['bytes_per_token'] / 1e6:>8.1f}"
@@ -304,6 +337,9 @@ def main() -> None:
                         help="llama.cpp's quantizations to time beside ours, e.g. Q4_0,Q4_K_M "
                         "(gpt-oss: MXFP4_MOE,Q4_K_M)")
     parser.add_argument("--peer-threads", default="1,2", help="llama.cpp's thread counts")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time ours and every peer row this many times, interleaved; the "
+                        "table gives medians, then each round's ratio")
     parser.add_argument("--peer-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     shape = SHAPES[args.shape]
@@ -334,49 +370,84 @@ def main() -> None:
     probe.release()
     prompt = prompt_ids(args.prompt, vocab)
 
+    first = time_ours(model, prompt, args.decode)
+    bw_after = probe.sample()
+    probe.release()
+    bw = max(bw_before, bw_after)
+    per_token = active_bytes(model_dir, args.experts, args.top)
+    print(f"{shape['name']} shape, {args.layers} of {shape['real_layers']} layers, "
+          f"{args.experts} experts, top {args.top}, {args.quant}, random weights")
+    print(f"  compile+convert+load   {ready:8.1f} s (cached after the first run)")
+    print(f"  prefill ({args.prompt} tokens)  {first['prefill_tok_s']:8.1f} tok/s")
+    print(f"  decode (1 sequence)    {first['decode_tok_s']:8.2f} tok/s")
+    print(f"  decode (4 sequences)   {first['decode4_tok_s']:8.2f} tok/s (summed)")
+    print(f"  bytes read per token   {per_token / 1e6:8.1f} MB (active experts, attention, head)")
+    print(f"  read bandwidth         {bw_before:.1f} / {bw_after:.1f} GB/s (before / after)")
+    print(f"  decode vs roofline     {per_token * first['decode_tok_s'] / (bw * 1e9):8.1%}")
+    if not args.peer:
+        return
+    sys.stdout.flush()
+    threads = int(os.environ.get("TVM_NUM_THREADS") or os.cpu_count() or 1)
+    name = f"localchat {args.quant}"
+    first.update(name=name, threads=threads, bytes_per_token=per_token, bw=bw)
+    work = src.parent / f"{src.name}-gguf"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    try:
+        peers = make_peers(src, args, work)
+        runs: dict[str, list[dict]] = {}
+        rounds = []
+        for rnd in range(max(1, args.rounds)):
+            if rnd:  # ours again, between the peers' previous round and their next
+                before = probe.sample()
+                probe.release()
+                again = time_ours(model, prompt, args.decode)
+                again.update(name=name, threads=threads, bytes_per_token=per_token,
+                             bw=max(before, probe.sample()))
+                probe.release()
+            row = first if rnd == 0 else again
+            this = {name: row}
+            runs.setdefault(name, []).append(row)
+            for qtype, path, peer_bytes in peers:
+                for n in (int(t) for t in args.peer_threads.split(",")):
+                    r = time_peer(path, qtype, peer_bytes, n, args, probe)
+                    this[f"{r['name']} {n}t"] = r
+                    runs.setdefault(f"{r['name']} {n}t", []).append(r)
+            rounds.append(this)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print_table(median_rows(runs))
+    if len(rounds) > 1:
+        print_paired(rounds, name)
+
+
+def time_ours(model, prompt: list[int], steps: int) -> dict:
+    """Our prefill of `prompt`, then `steps` greedy decode steps of one sequence and `steps / 2`
+    of four at once (tok/s summed)."""
     seq = model.new_sequence()
     model.prefill(seq, prompt[:8])  # warm-up (first-call allocations)
     model.remove(seq)
     seq = model.new_sequence()
     t = time.perf_counter()
     logits = model.prefill(seq, prompt)
-    prefill = args.prompt / (time.perf_counter() - t)
+    prefill = len(prompt) / (time.perf_counter() - t)
     tok = int(np.argmax(logits))
     t = time.perf_counter()
-    for _ in range(args.decode):
+    for _ in range(steps):
         tok = int(np.argmax(model.decode([seq], [tok])[0]))
-    decode = args.decode / (time.perf_counter() - t)
+    decode = steps / (time.perf_counter() - t)
     model.remove(seq)
-
     seqs = [model.new_sequence() for _ in range(4)]
     for s in seqs:
         model.prefill(s, prompt[:16])
     toks = [5, 6, 7, 8]
     t = time.perf_counter()
-    for _ in range(args.decode // 2):
+    for _ in range(steps // 2):
         toks = [int(np.argmax(row)) for row in model.decode(seqs, toks)]
-    decode4 = 4 * (args.decode // 2) / (time.perf_counter() - t)
-    bw_after = probe.sample()
-    bw = max(bw_before, bw_after)
-    per_token = active_bytes(model_dir, args.experts, args.top)
-    print(f"{shape['name']} shape, {args.layers} of {shape['real_layers']} layers, "
-          f"{args.experts} experts, top {args.top}, {args.quant}, random weights")
-    print(f"  compile+convert+load   {ready:8.1f} s (cached after the first run)")
-    print(f"  prefill ({args.prompt} tokens)  {prefill:8.1f} tok/s")
-    print(f"  decode (1 sequence)    {decode:8.2f} tok/s")
-    print(f"  decode (4 sequences)   {decode4:8.2f} tok/s (summed)")
-    print(f"  bytes read per token   {per_token / 1e6:8.1f} MB (active experts, attention, head)")
-    print(f"  read bandwidth         {bw_before:.1f} / {bw_after:.1f} GB/s (before / after)")
-    print(f"  decode vs roofline     {per_token * decode / (bw * 1e9):8.1%}")
-    if not args.peer:
-        return
-    sys.stdout.flush()
-    del model, seq, seqs  # the peer's processes run without ours resident
-    probe.release()
-    threads = int(os.environ.get("TVM_NUM_THREADS") or os.cpu_count() or 1)
-    rows = [{"name": f"localchat {args.quant}", "threads": threads, "bytes_per_token": per_token,
-             "prefill_tok_s": prefill, "decode_tok_s": decode, "bw": bw}]
-    print_table(rows + run_peers(src, args, probe))
+    decode4 = 4 * (steps // 2) / (time.perf_counter() - t)
+    for s in seqs:
+        model.remove(s)
+    return {"prefill_tok_s": prefill, "decode_tok_s": decode, "decode4_tok_s": decode4}
 
 
 if __name__ == "__main__":
