@@ -745,8 +745,8 @@ def gemv_q4_vnni_macro(
 
     # decode: W prefetched PREFETCH_AHEAD bytes ahead; rows longer than LONG_ROW_BYTES spread
     # their prefetches over their units (a row's worth at once overflows the core's queue of
-    # misses: k = 8192 read 42-43 GB/s so, 51-52 spread, probe 51), shorter rows get the next
-    # rows' lines as each row starts (k = 2048, 2560: 3-6% faster than spread)
+    # misses: k = 8192 read 42-43 GB/s with row prefetches, 51-52 spread, the probe 51), shorter
+    # rows get the next rows' lines as each row starts (k = 2048, 2560: 3-6% faster than spread)
     spread = kw * 4 > LONG_ROW_BYTES
     ahead_words = PREFETCH_AHEAD // 4
     store = _store_macro(dtype, bias)
