@@ -216,10 +216,10 @@ def row_prefetch(n: int, row_len: int, elem_bytes: int):
     ahead of `row` (at most the last) in a buffer of `n` rows of `row_len` elements.
 
     Why: a decode GEMV thread reads its rows of W as one sequential stream, and the hardware
-    prefetchers keep too few lines in flight for one stream per core: a 4-bit GEMV read 41-44
-    GB/s where the bandwidth probe (four streams per thread) read 48-50; prefetching the row
+    prefetchers keep too few lines in flight for one stream per core: a 4-bit GEMV read 35-41
+    GB/s where the bandwidth probe (four streams per thread) read 44-49; prefetching the row
     4 KiB ahead as each row starts read 47-52 (Zen 5, 2 threads, k = 2048, 240 MB of weights;
-    2 KiB ahead 44-46, 8 KiB 46-49)."""
+    the next row only 40-45, 8 KiB ahead 46-50)."""
     ahead = max(1, -(-PREFETCH_AHEAD // (row_len * elem_bytes)))
     per_line = max(1, 64 // elem_bytes)
     lines = -(-row_len // per_line)
