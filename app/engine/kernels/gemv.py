@@ -64,9 +64,9 @@ from localchat.engine.kernels.common import (
     GROUP_SIZE,
     INT8_ISAS,
     LANES,
+    LONG_ROW_BYTES,
     MX,
     NIBBLES_PER_WORD,
-    PREFETCH_AHEAD,
     WORDS_PER_GROUP,
     asym_layout,
     asym_width,
@@ -76,7 +76,7 @@ from localchat.engine.kernels.common import (
     group_params_vec,
     lane_tree,
     padded_k,
-    prefetch,
+    prefetch_ahead,
     row_prefetch,
     rows_lane_tree,
     scheduled,
@@ -88,7 +88,6 @@ ROWS = 4  # rows of W per work item (generic kernel)
 VEC_UNROLL = 4  # word vectors of one row in flight (independent FMA chains)
 LONG_K = 4096  # beyond this reduction size the AVX-512 kernel shares x between rows
 LONG_ROWS = 8  # rows sharing each load of x when k > LONG_K
-LONG_ROW_BYTES = 2048  # decode: longer rows of W spread their prefetches (`gemv_q4_vnni_macro`)
 LONG_VEC_UNROLL = 1  # word vectors in flight per row when k > LONG_K
 F32 = "float32"
 
@@ -743,12 +742,9 @@ def gemv_q4_vnni_macro(
             return sums16 + sums4
         return sums16 if only16 else sums4
 
-    # decode: W prefetched PREFETCH_AHEAD bytes ahead; rows longer than LONG_ROW_BYTES spread
-    # their prefetches over their units (a row's worth at once overflows the core's queue of
-    # misses: k = 8192 read 42-43 GB/s with row prefetches, 51-52 spread, the probe 51), shorter
-    # rows get the next rows' lines as each row starts (k = 2048, 2560: 3-6% faster than spread)
+    # decode: rows longer than LONG_ROW_BYTES prefetch line by line (`prefetch_ahead`), shorter
+    # rows the next rows' lines as each row starts (k = 2048, 2560: 3-6% faster than line by line)
     spread = kw * 4 > LONG_ROW_BYTES
-    ahead_words = PREFETCH_AHEAD // 4
     store = _store_macro(dtype, bias)
     nr = divisor(n, (TILE_ROWS, 32, 16, 8, 4, 2))  # rows of W per tile (prefill)
     # units per chunk of the reduction (prefill): CHUNK_K values of k; one chunk when k is short
@@ -758,8 +754,8 @@ def gemv_q4_vnni_macro(
     @T.macro
     def units16(w, s, xq, xs, xo, f16, row, r0, nrows, u0, u1, pf):
         """Units [u0, u1) of 16 (AVX2: 8) groups of W's row `row`, added to the accumulators
-        f16 [nrows * ug] of the rows r0.. of x; `pf` (decode): each unit prefetches the lines
-        `PREFETCH_AHEAD` bytes past its own in W's memory (`common.prefetch`)."""
+        f16 [nrows * ug] of the rows r0.. of x; `pf` (decode, long rows): each unit prefetches
+        the lines `PREFETCH_AHEAD` bytes past its own (`common.prefetch_ahead`)."""
         wl = T.alloc_buffer((8 * ug,), "uint32")
         if pf:
             wf = T.decl_buffer((n * kw,), "uint32", data=w.data, elem_offset=w.elem_offset)
@@ -771,8 +767,7 @@ def gemv_q4_vnni_macro(
         for u in range(u0, u1):
             if pf:
                 for line in T.unroll(ug // 4):
-                    prefetch(wf, T.min(row * kw + u * 4 * ug + line * 16 + ahead_words,
-                                       n * kw - 1))
+                    prefetch_ahead(wf, row * kw + u * 4 * ug + line * 16, n * kw, 4)
             wl[T.Ramp(0, 1, 8 * ug)] = unpack(
                 [w[row, T.Ramp(u * 4 * ug + v * ug, 1, ug)] for v in range(4)], ug
             )

@@ -34,15 +34,14 @@ from localchat.engine.build.q6_k import CODE_BYTES, SUB, SUBS, SUPER, param_widt
 from localchat.engine.kernels.common import (
     INT8_ISAS,
     LANES,
-    PREFETCH_AHEAD,
+    LONG_ROW_BYTES,
     divisor,
     f16_bytes,
     lane_tree,
-    prefetch,
+    prefetch_ahead,
     row_prefetch,
 )
 from localchat.engine.kernels.gemv import (
-    LONG_ROW_BYTES,
     TILE_ROWS,
     _add,
     _dpbusd,
@@ -159,8 +158,7 @@ def q6_gemv_macro(k: int, n: int, dtype: str, bias: bool, isa: bool | str):
         for sb in range(sb0, sb1):
             if pf:
                 for line in T.unroll(CODE_BYTES // 64):
-                    prefetch(wf, T.min(row * cw + sb * CODE_BYTES + line * 64 + PREFETCH_AHEAD,
-                                       n * cw - 1))
+                    prefetch_ahead(wf, row * cw + sb * CODE_BYTES + line * 64, n * cw, 1)
             # (the vector index picks masks and shifts: Python constants, so four stores)
             wv[T.Ramp(0, 1, LANES)] = _codes(w, row, sb, 0)
             wv[T.Ramp(LANES, 1, LANES)] = _codes(w, row, sb, 1)
