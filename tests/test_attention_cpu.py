@@ -154,6 +154,18 @@ def test_float16():
         _close(got, ref, tol=2e-3)
 
 
+def test_decode_prefetches_keys_ahead():
+    """Paged decode prefetches the K and V lines of the keys `DECODE_PREFETCH_BLOCKS` blocks
+    ahead (a head's keys are scattered over pages the hardware prefetcher does not follow:
+    18 GB/s without, 29-30 with, 3B shape at 4,000 keys); the numbers are the other tests'."""
+    func = attention.attention_decode_paged_cpu(2, 6, 128, "float16")
+    ir = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
+                     TARGET).mod.inspect_source("ll")
+    # one K and one V prefetch per cache line of a key (256 bytes: 4 lines), in the loops over
+    # keys; not a block's pages at once (128 prefetches here)
+    assert ir.count("call void @llvm.prefetch") == 8
+
+
 def test_falls_back_for_inline_rope_and_other_targets():
     bb = relax.BlockBuilder()
     with bb.function("f", []):
