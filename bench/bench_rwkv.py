@@ -6,7 +6,7 @@ RSS, and decode as a fraction of the memory roofline.
 
     python bench/bench_rwkv.py [--arch rwkv4|rwkv6|rwkv7] [--quant q4f32_1 q0f32] [--layers 32]
                                [--prompt 512] [--decode 32] [--chunks 64,128,256,512]
-                               [--peer Q4_0,Q4_K_M,Q4_1]
+                               [--peer Q4_0,Q4_K_M,Q4_1] [--rounds N]
 
 No checkpoint is written: the library is compiled (cached under the user cache dir, in a child
 process so its memory does not count), then every parameter is generated with random values of
@@ -33,6 +33,15 @@ decode steps in rounds between bandwidth samples (each step `Llama.eval` of one 
 argmax of its logits, median step time), at 1 and 2 threads, the row giving the thread count of
 the best decode. Its bytes read per token are the GGUF's tensor bytes less the token embedding,
 plus one row of it; with `--layers N` < 32 it is extrapolated to 32 layers like ours.
+
+`--rounds N` times every row N times, interleaved, each round in a rotated order (round r starts
+at a different row, so no engine always runs first); llama.cpp's files are written once before
+the first round and deleted after the last. Each round's rows are extrapolated as above (a peer
+row keeping that round's best thread count); the table gives each row's medians over the rounds
+(decode, ms/token, prefill, the roofline fractions; the bandwidth spreads over all rounds'
+samples), then each round's ratio of each of our rows to that round's fastest llama.cpp row,
+median and range (this VM's bandwidth moves by tens of percent within minutes, so one run's
+ratio is only as good as the bandwidths its rows happened to get).
 """
 
 from __future__ import annotations
@@ -42,8 +51,11 @@ import json
 import os
 import platform
 import resource
+import shutil
+import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -426,19 +438,30 @@ def _peer_fractions(res: dict) -> None:
     res["read_roofline_fraction"] = float(np.median(read_frac))
 
 
-def run_peers(args) -> list[dict]:
-    """llama.cpp's rows: write and quantize the GGUFs (deleted afterwards), time each type at
-    each thread count and depth, extrapolate like ours, keep the thread count of the best
-    decode."""
-    import shutil
-    import tempfile
+def _depths(layers: int) -> list[int]:
+    """The depths a row is timed at: the real 32 layers, or N/2 and N to extrapolate from."""
+    return [layers] if layers == 32 else [layers // 2, layers]
 
+
+def time_ours(quant: str, args: argparse.Namespace) -> dict:
+    """One of our rows, one round: each depth in a fresh process, extrapolated to 32 layers."""
+    depths = _depths(args.layers)
+    runs = [
+        run_child([quant, str(d), str(args.prompt), str(args.decode), args.chunks])
+        for d in depths
+    ]
+    return _extrapolate(depths, runs, args.prompt)
+
+
+def prepare_peers(args: argparse.Namespace) -> tuple[Path, dict[tuple[str, int], Path]]:
+    """llama.cpp's files, written once before the rounds: an F16 GGUF of each depth in a new
+    temporary folder, quantized to each --peer type (the F16 file deleted after); (the folder,
+    {(type, depth): file}). The folder is removed here if this fails, else by `cleanup_peers`."""
     from gguf_quantize import quantize
-    from rwkv7_gguf import decode_bytes_per_token, write_rwkv7_gguf
+    from rwkv7_gguf import write_rwkv7_gguf
 
     cfg = WORLD_2B9_V7
-    qtypes = [q for q in args.peer.split(",") if q]
-    depths = [args.layers] if args.layers == 32 else [args.layers // 2, args.layers]
+    depths = _depths(args.layers)
     h, ffn, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     ranks = (cfg["decay_low_rank_dim"], cfg["a_low_rank_dim"], cfg["v_low_rank_dim"],
              cfg["gate_low_rank_dim"])
@@ -455,49 +478,141 @@ def run_peers(args) -> list[dict]:
             f16 = write_rwkv7_gguf(tmp / f"f16-L{d}.gguf", hidden=h, layers=d,
                                    head_size=cfg["head_size"], ffn=ffn, vocab=vocab,
                                    lora_ranks=ranks, seed=0)
-            for q in qtypes:
+            for q in _peer_types(args):
                 files[q, d] = quantize(f16, tmp / f"{q}-L{d}.gguf", q)
             f16.unlink()  # the quantized copies are all the peer runs need
-        rows = []
-        for q in qtypes:
-            by_threads = []
-            for threads in PEER_THREADS:
-                runs = []
-                for d in depths:
-                    proc = subprocess.run(
-                        [sys.executable, __file__, "--arch", ARCH, "--measure-peer",
-                         str(files[q, d]), q, str(d), str(threads), str(args.prompt),
-                         str(args.decode)],
-                        capture_output=True, text=True,
-                    )
-                    if proc.returncode != 0:
-                        raise SystemExit(f"llama.cpp {q} x{d} failed:\n{proc.stderr[-3000:]}")
-                    r = json.loads(proc.stdout.strip().splitlines()[-1])
-                    r["decode_bytes_per_token"] = decode_bytes_per_token(files[q, d])
-                    _peer_fractions(r)
-                    runs.append(r)
-                by_threads.append(_extrapolate(depths, runs, args.prompt))
-            best = max(by_threads, key=lambda r: r["decode_tok_s"])
-            best_pre = max(by_threads, key=lambda r: max(r["prefill"].values()))
-            if best_pre is not best:  # the prefill cell says which thread count gave it
-                best["prefill"] = best_pre["prefill"]
-                best["prefill_unit"] = f"{best_pre['threads']} threads, batch"
-            rows.append(best)
-        return rows
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        return tmp, files
+    except BaseException:
+        cleanup_peers(tmp)
+        raise
 
 
-def peer_summary(rows: list[dict], peer_rows: list[dict]) -> str:
+def cleanup_peers(tmp: Path) -> None:
+    """Delete llama.cpp's files (after the last round)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _peer_types(args: argparse.Namespace) -> list[str]:
+    """The --peer types, in the order given."""
+    return [q for q in args.peer.split(",") if q]
+
+
+def _peer_child(path: Path, qtype: str, layers: int, threads: int,
+                args: argparse.Namespace) -> dict:
+    """llama.cpp on one file at one thread count, in a fresh process, with its fractions."""
+    from rwkv7_gguf import decode_bytes_per_token
+
+    proc = subprocess.run(
+        [sys.executable, __file__, "--arch", ARCH, "--measure-peer", str(path), qtype,
+         str(layers), str(threads), str(args.prompt), str(args.decode)],
+        capture_output=True, text=True,
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"llama.cpp {qtype} x{layers} failed:\n{proc.stderr[-3000:]}")
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    r["decode_bytes_per_token"] = decode_bytes_per_token(path)
+    _peer_fractions(r)
+    return r
+
+
+def time_peer(files: dict[tuple[str, int], Path], qtype: str, args: argparse.Namespace) -> dict:
+    """One llama.cpp row, one round: the type at each thread count and depth, extrapolated like
+    ours, the row the thread count of the best decode (its prefill cell the best prefill's)."""
+    depths = _depths(args.layers)
+    by_threads = []
+    for threads in PEER_THREADS:
+        runs = [_peer_child(files[qtype, d], qtype, d, threads, args) for d in depths]
+        by_threads.append(_extrapolate(depths, runs, args.prompt))
+    best = max(by_threads, key=lambda r: r["decode_tok_s"])
+    best_pre = max(by_threads, key=lambda r: max(r["prefill"].values()))
+    best["prefill_threads"] = best_pre["threads"]
+    if best_pre is not best:  # the prefill cell says which thread count gave it
+        best["prefill"] = best_pre["prefill"]
+        best["prefill_unit"] = f"{best_pre['threads']} threads, batch"
+    return best
+
+
+def run_rounds(args: argparse.Namespace,
+               files: dict[tuple[str, int], Path]) -> tuple[list[str], list[dict[str, dict]]]:
+    """Every row (ours per --quant, llama.cpp's per --peer type) once a round, round r starting
+    at row r (rotated) so no engine always runs first; (the row names in table order, each
+    round's {name: result})."""
+    engines = [(q, lambda q=q: time_ours(q, args)) for q in args.quant] + [
+        (f"llama.cpp {q}", lambda q=q: time_peer(files, q, args)) for q in _peer_types(args)
+    ]
+    rounds = []
+    for rnd in range(args.rounds):
+        shift = rnd % len(engines)
+        order = engines[shift:] + engines[:shift]
+        if args.rounds > 1:
+            print(f"# round {rnd + 1}/{args.rounds}: " + ", ".join(n for n, _ in order),
+                  flush=True)
+        rounds.append({name: timed() for name, timed in order})
+    return [name for name, _ in engines], rounds
+
+
+def median_row(samples: list[dict]) -> dict:
+    """One row from its rounds: the median of decode tok/s, ms/token, each prefill rate, the
+    roofline fractions and peak RSS, the bandwidth samples of all rounds (for their spread);
+    a llama.cpp row names its thread counts by round where the rounds kept different ones."""
+    if len(samples) == 1:
+        return samples[0]
+    row = dict(samples[0])
+    for key in ("decode_tok_s", "decode_s", "roofline_fraction", "read_roofline_fraction",
+                "peak_rss_gb"):
+        row[key] = statistics.median(r[key] for r in samples)
+    row["prefill"] = {c: statistics.median(r["prefill"][c] for r in samples)
+                      for c in samples[0]["prefill"]}
+    for key in ("copy_gb_s", "read_gb_s"):
+        row[key] = [v for r in samples for v in r[key]]
+    if "peer" in row:
+        dec = [r["threads"] for r in samples]
+        pre = [r["prefill_threads"] for r in samples]
+        if len(set(dec)) > 1:
+            row["quant"] = f"llama.cpp {row['peer']} ({_by_round(dec)} threads by round)"
+        if pre == dec:
+            row["prefill_unit"] = "batch"
+        elif len(set(pre)) == 1:
+            row["prefill_unit"] = f"{pre[0]} threads, batch"
+        else:
+            row["prefill_unit"] = f"{_by_round(pre)} threads by round, batch"
+    row["rounds"] = len(samples)
+    return row
+
+
+def _by_round(values: list[int]) -> str:
+    return "/".join(str(v) for v in values)
+
+
+def _prefill_rate(res: dict) -> float:
+    """A row's prefill tok/s: its best chunk (ours) or its one batch (llama.cpp)."""
+    return max(res["prefill"].values())
+
+
+def print_paired(rounds: list[dict[str, dict]], quants: list[str]) -> None:
+    """Per round, each of our rows against that round's fastest llama.cpp row (decode and
+    prefill each its own fastest): the median ratio and its range."""
+    for quant in quants:
+        cells = []
+        for label, rate in (("decode", lambda r: r["decode_tok_s"]), ("prefill", _prefill_rate)):
+            ratios = [rate(rnd[quant]) / max(rate(r) for r in rnd.values() if "peer" in r)
+                      for rnd in rounds]
+            cells.append(f"{label} {statistics.median(ratios):.2f}x "
+                         f"({min(ratios):.2f}-{max(ratios):.2f})")
+        print(f"# {quant} / the round's fastest llama.cpp row, per round ({len(rounds)} rounds), "
+              "median (min-max): " + "; ".join(cells))
+
+
+def peer_summary(rows: list[dict], peer_rows: list[dict], what: str = "") -> str:
     """Ours against the fastest llama.cpp row, decode and prefill each its own fastest."""
     top_dec = max(peer_rows, key=lambda r: r["decode_tok_s"])
-    top_pre = max(peer_rows, key=lambda r: max(r["prefill"].values()))
-    pre_peer = max(top_pre["prefill"].values())
+    top_pre = max(peer_rows, key=_prefill_rate)
+    pre_peer = _prefill_rate(top_pre)
     lines = []
     for res in rows:
-        pre = max(res["prefill"].values())
+        pre = _prefill_rate(res)
         lines.append(
-            f"# {res['quant']} / fastest llama.cpp: decode "
+            f"# {res['quant']} / fastest llama.cpp{what}: decode "
             f"{res['decode_tok_s'] / top_dec['decode_tok_s']:.2f}x ({top_dec['quant']}), "
             f"prefill {pre / pre_peer:.2f}x ({top_pre['quant']})"
         )
@@ -549,6 +664,11 @@ def main() -> None:
     parser.add_argument("--peer", default="",
                         help="rwkv7 only: llama.cpp in the same run on its own GGUF of the same "
                         "shape, quantized to these types (comma-separated: Q4_0,Q4_K_M,Q4_1)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time every row this many times, interleaved (each round in a "
+                        "rotated order); the table gives medians, then each round's ratio of "
+                        "ours to its fastest llama.cpp row (this VM's bandwidth moves by tens "
+                        "of percent within minutes)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--compile-only", nargs=2, metavar=("QUANT", "LAYERS"))
     parser.add_argument(
@@ -564,6 +684,8 @@ def main() -> None:
     for qtype in filter(None, args.peer.split(",")):
         if qtype not in PEER_TYPES:
             parser.error(f"--peer: {qtype!r} is not one of {', '.join(PEER_TYPES)}")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     global ARCH
     ARCH = args.arch
     if args.compile_only:
@@ -587,20 +709,22 @@ def main() -> None:
         f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"TVM_NUM_THREADS={os.environ.get('TVM_NUM_THREADS', 'default')}"
     )
-    rows = []
-    for quant in args.quant:
-        depths = [args.layers] if args.layers == 32 else [args.layers // 2, args.layers]
-        runs = [
-            run_child([quant, str(d), str(args.prompt), str(args.decode), args.chunks])
-            for d in depths
-        ]
-        rows.append(_extrapolate(depths, runs, args.prompt))
-    peer_rows = run_peers(args) if args.peer else []
+    tmp, files = prepare_peers(args) if args.peer else (None, {})
+    try:
+        names, rounds = run_rounds(args, files)
+    finally:
+        if tmp is not None:
+            cleanup_peers(tmp)
+    medians = [median_row([rnd[name] for rnd in rounds]) for name in names]
+    rows = [r for r in medians if "peer" not in r]
+    peer_rows = [r for r in medians if "peer" in r]
     print(
         "# roofline = weight bytes read per token / memory bandwidth, sampled between decode "
         "rounds: copy = numpy copy of 1 GiB (read + write, the issue's definition), "
         "read = compiled streaming sum"
     )
+    if args.rounds > 1:
+        print(f"# each cell the median over {args.rounds} rounds (GB/s: all rounds' samples)")
     print()
     print(
         f"| {ARCH} mode | decode tok/s | ms/token | GB read/token | copy GB/s | of copy roofline "
@@ -621,11 +745,15 @@ def main() -> None:
             f"| {pre} | {res['peak_rss_gb']:.2f} |"
         )
     if peer_rows:
-        print(peer_summary(rows, peer_rows))
+        print(peer_summary(rows, peer_rows, " (medians)" if args.rounds > 1 else ""))
+        if args.rounds > 1:
+            print_paired(rounds, args.quant)
     if args.json:
-        out = {"results": rows}
+        out: dict = {"results": rows}
         if peer_rows:
             out["peers"] = peer_rows
+        if args.rounds > 1:  # each round's rows, ours then llama.cpp's, in table order
+            out["rounds"] = [[rnd[name] for name in names] for rnd in rounds]
         print(json.dumps(out, indent=2))
 
 
