@@ -29,6 +29,7 @@ from localchat.engine.build.quantization import (
     get_quant_mode,
     quantize_mx,
     quantize_q4,
+    quantize_q4_0,
     quantize_q4_asym,
     quantize_q4_k,
     quantize_q8,
@@ -63,6 +64,8 @@ def _round_trip(w: torch.Tensor, quant: str) -> torch.Tensor:
         return torch.from_numpy(dequantize_q4(*quantize_q4_asym(a), k, asymmetric=True))
     if quant == "q4f32_k":
         return torch.from_numpy(dequantize_q4(*quantize_q4_k(a), k))
+    if quant == "q4f32_0":
+        return torch.from_numpy(dequantize_q4(*quantize_q4_0(a), k))
     return torch.from_numpy(dequantize_q4(*quantize_q4(a, "float32"), k))
 
 
@@ -116,7 +119,7 @@ def _tolerance(quant: str) -> float:
 
 @pytest.mark.parametrize("arch,quant", [(a, "q0f32") for a in ARCHS]
                          + [("qwen3-moe", "q4f32_1"), ("qwen3-moe", "q8f32_0"),
-                            ("qwen3-moe", "q4f32_k")])
+                            ("qwen3-moe", "q4f32_k"), ("qwen3-moe", "q4f32_0")])
 def test_matches_transformers(arch: str, quant: str) -> None:
     ref_tokens, ref_logits = reference(arch, quant)
     assert len(set(ref_tokens)) > STEPS // 2  # the oracle walks through the vocabulary

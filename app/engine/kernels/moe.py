@@ -191,14 +191,15 @@ def gemv_f_macro(k: int, n: int, dtype: str):
 @functools.cache
 def moe_gemv(
     k: int, n: int, experts: int, topk: int, dtype: str, quant: str,
-    avx512: bool | str = False, shared: bool = True,
+    avx512: bool | str = False, shared: bool = True, scale_dtype: str | None = None,
 ) -> tirx.PrimFunc:
     """y [m, topk, n] = x @ W_e^T per token and slot, e = idx[t, j], W [experts * n, k] stored
     as `quant`: "f" (float of `dtype`), "q4" ((q - 8) * scale), "q4_asym" (float16 scale and
     min), "q4_k" (q4f32_k's Q4_K super-blocks), "mxfp4" (FP4 codes, E8M0 exponents) or "q8"
     (int8 q * float16 scale, `quantization.quantize_q8`); `avx512` as `gemv.gemv_q4`'s.
     `shared`: x is [m, 1, k], one input for every slot (the gate/up projection); otherwise
-    [m, topk, k], each slot its own (the down projection)."""
+    [m, topk, k], each slot its own (the down projection). `scale_dtype`: "q4"'s scales'
+    type when not `dtype` (float16 in the modes holding llama.cpp's Q4_0)."""
     kx = 1 if shared else topk
     if quant == "f":
         body = gemv_f_macro(k, n, dtype)
@@ -212,7 +213,7 @@ def moe_gemv(
         body = gemv_q4_macro(k, n, dtype, False, avx512, asym, mx=quant == "mxfp4")
         kw, kg = padded_k(k) // NIBBLES_PER_WORD, padded_k(k) // GROUP_SIZE
         ks, sdt = {"q4_asym": (2 * kg, "float16"), "q4_k": (asym_width(Q4K, kg), K_SCALE_DTYPE),
-                   "mxfp4": (kg, "uint8")}.get(quant, (kg, dtype))
+                   "mxfp4": (kg, "uint8")}.get(quant, (kg, scale_dtype or dtype))
         wdt = "uint32"
 
     @T.macro
