@@ -143,13 +143,17 @@ def test_long_prefill_and_decode():
         _close(got, ref)
 
 
-def test_float16():
-    # float16 storage, float32 accumulation: error is that of the float16 inputs and output
-    spec = _spec(4, 2, 64, "float16")
+@pytest.mark.parametrize("h_q,h_kv,d", [(4, 2, 64), (16, 2, 64), (12, 3, 128)],
+                         ids=["group2", "group8", "group4-d128"])
+def test_float16(h_q: int, h_kv: int, d: int):
+    # float16 storage, float32 accumulation: error is that of the float16 inputs and output;
+    # groups of 8 (d 64) and 4 (d 128) hold more of o than the registers do, so decode sums V
+    # into it in passes over each block's keys
+    spec = _spec(h_q, h_kv, d, "float16")
     s = Session(spec, rotary=_rope)
     rng = np.random.default_rng(7)
     s.add(0)
-    for n in (40, 25, 1, 1):
+    for n in (40, 25, 1, 1, 1):
         got, ref = s.forward({0: _qkv(rng, n, spec)}, decode=n == 1)
         _close(got, ref, tol=2e-3)
 
