@@ -92,7 +92,7 @@ KEY_BLOCK = 64  # keys per online-softmax step in prefill
 DECODE_KEY_BLOCK = 16  # keys per online-softmax step in decode
 DECODE_SPLITS = 4  # most KV ranges one decode sequence is split into
 DECODE_MIN_SPLIT = 64  # fewest keys in a decode split
-# Decode prefetches each key's K and V lines this many key blocks ahead, one key per key read
+# Decode prefetches the K and V lines of the key this many key blocks ahead as it reads each key
 # (3B shape, 4,000 keys, 28 layers of random pages, Zen 5, 2 threads: 18 GB/s with the next
 # block's pages prefetched at once as each block starts, 22 with them 2 blocks ahead, 29-30
 # spread over the block as here, 1 or 4 blocks ahead no better).
@@ -751,8 +751,8 @@ def attention_decode_paged_cpu(
         return start
 
     line = 64 // tvm.DataType(dtype).itemsize  # elements of one cache line
-
-    key_lines = -(-d * tvm.DataType(dtype).itemsize // 64)  # cache lines of one key's K (or V)
+    key_lines = -(-d // line)  # cache lines of one key's K (or V)
+    v_off = h_kv * page_size * d  # a page's V from its K, in elements
     ahead = DECODE_PREFETCH_BLOCKS * blk
     # o's vectors per pass over a block's V: all of them while the group's fit the registers
     # (group 3, d = 128: 24); more query heads per KV head take them in passes, same sums in the
@@ -761,15 +761,20 @@ def attention_decode_paged_cpu(
     cols = max(c for c in range(1, nv + 1)
                if nv % c == 0 and (group * c <= TARGET_ACCUMULATORS or c == 1))
 
+    def key_offset(page_table_values, pbeg, hk, j):
+        """Where key j's K of head hk starts in the flat pages (its V: `v_off` further)."""
+        return (
+            (page_table_values[pbeg + j // page_size] * 2 * h_kv + hk) * page_size
+            + j % page_size
+        ) * d
+
     @T.macro
     def prefetch_key(pf, page_table_values, pbeg, hk, jp, k_end, v: bool):
         """Prefetch the K (or V) lines of key jp of this head, if there is such a key."""
         if jp < k_end:
             for i in T.unroll(key_lines):
-                prefetch(pf, (
-                    (page_table_values[pbeg + jp // page_size] * 2 * h_kv + hk) * page_size
-                    + jp % page_size
-                ) * d + (h_kv * page_size * d if v else 0) + i * line)
+                prefetch(pf, key_offset(page_table_values, pbeg, hk, jp) + (v_off if v else 0)
+                         + i * line)
 
     @T.prim_func(private=True)
     def batch_decode_paged_kv(
@@ -858,11 +863,7 @@ def attention_decode_paged_cpu(
                         nk: T.let[T.int32] = T.min(blk, k_end - j0)
                         for jj in range(blk):
                             jc: T.let[T.int32] = T.min(j0 + jj, k_end - 1)
-                            koff[jj] = (
-                                (page_table_values[pbeg + jc // page_size] * 2 * h_kv + hk)
-                                * page_size
-                                + jc % page_size
-                            ) * d
+                            koff[jj] = key_offset(page_table_values, pbeg, hk, jc)
                         # s[g, jj] = q[g] . K[jj]; the lanes are summed in registers (a tree
                         # of halves), not through memory
                         for jj in range(blk):
@@ -905,8 +906,7 @@ def attention_decode_paged_cpu(
                                             o[g, (cp * cols + ci) * vw + e] = o[
                                                 g, (cp * cols + ci) * vw + e
                                             ] + s[g, jj] * T.Cast(f32, pf[
-                                                koff[jj] + h_kv * page_size * d
-                                                + (cp * cols + ci) * vw + e
+                                                koff[jj] + v_off + (cp * cols + ci) * vw + e
                                             ])
                     for g in T.unroll(group):
                         for c in T.vectorized(d):

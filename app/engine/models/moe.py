@@ -152,8 +152,7 @@ class MoeMLP(nn.Module):
         if not self.ctx.cpu:
             return expert_linear_gpu(x, proj.weight, proj.scale, idx, n, self.mode)
         func = moe_kernels.moe_gemv(k, n, self.num_experts, self.top_k, self.ctx.dtype,
-                                    self._quant(), self.ctx.isa, shared,
-                                    self.mode.group_dtype if self.mode.quantized else None)
+                                    self._quant(), self.ctx.isa, shared, self.mode.group_dtype)
         weights = [proj.weight] + ([proj.scale] if proj.scale is not None else [])
         return op.tensor_ir_op(
             func, "moe_gemv", args=[x, *weights, idx],
