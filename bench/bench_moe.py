@@ -3,7 +3,7 @@
 
     python bench/bench_moe.py [--shape qwen3-30b-a3b|gpt-oss-20b] [--layers N] [--quant q4f32_1]
                               [--prompt 128] [--decode 32] [--experts E] [--top K]
-                              [--peer Q4_0,Q4_K_M] [--rounds N]
+                              [--peer Q4_0,Q4_K_M] [--rounds N] [--long N]
     python bench/bench_moe.py --shape gpt-oss-20b --layers 4 --peer MXFP4_MOE,Q4_K_M
 
 Shapes (`--shape`; `--layers`, `--experts` and `--top` default to the shape's):
@@ -44,6 +44,11 @@ on the disk at once). `--rounds N` times ours and every peer row N times, interl
 loaded between its rounds): the table gives medians, then each round's ratio of ours to that
 round's fastest peer row, median and range (this VM's bandwidth moves by tens of percent within
 minutes, so one run's ratio is only as good as the bandwidths its rows happened to get).
+
+`--long N` (default 0: none) adds a long-context decode row, as bench/bench_engine.py's `--long`:
+ours and each peer row also prefill a fresh sequence of N prompt tokens (`prompt_ids(N)`, the same
+for both) and time `LONG_DECODE` greedy decode steps after them ("long dec" in the table, and its
+ratio to the fastest peer row beside the others'). N + `LONG_DECODE` must fit the context (4,096).
 """
 
 from __future__ import annotations
@@ -60,6 +65,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+LONG_DECODE = 32  # decode steps timed after the `--long` prompt
 
 SHAPE = {
     "hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
@@ -223,11 +230,13 @@ def prompt_ids(n: int, vocab: int = SHAPE["vocab_size"]) -> list[int]:
     return [int(t) for t in rng.integers(3, vocab, n)]
 
 
-def peer_child(path: Path, threads: int, prompt: int, decode: int, shape: str) -> dict:
+def peer_child(path: Path, threads: int, prompt: int, decode: int, shape: str,
+               long: int = 0) -> dict:
     """llama.cpp's timing of `path` at `threads` threads, in a process of its own."""
     out = subprocess.run(
         [sys.executable, __file__, "--peer-child", str(path), "--peer-threads", str(threads),
-         "--prompt", str(prompt), "--decode", str(decode), "--shape", shape],
+         "--prompt", str(prompt), "--decode", str(decode), "--shape", shape,
+         "--long", str(long)],
         capture_output=True, text=True, env=dict(os.environ, TVM_NUM_THREADS=str(threads)))
     if out.returncode != 0:
         raise SystemExit(f"llama.cpp on {path.name} ({threads} threads) failed:\n"
@@ -263,7 +272,7 @@ def time_peer(path: Path, qtype: str, per_token: int, threads: int,
     the peer runs)."""
     before = probe.sample()
     probe.release()
-    r = peer_child(path, threads, args.prompt, args.decode, args.shape)
+    r = peer_child(path, threads, args.prompt, args.decode, args.shape, args.long)
     r.update(name=f"llama.cpp {qtype}", threads=threads, bytes_per_token=per_token,
              bw=max(before, probe.sample()))
     probe.release()
@@ -278,8 +287,9 @@ def median_rows(runs: dict[str, list[dict]]) -> list[dict]:
     rows = []
     for samples in runs.values():
         row = dict(samples[0])
-        for key in ("prefill_tok_s", "decode_tok_s", "bw"):
-            row[key] = statistics.median(r[key] for r in samples)
+        for key in ("prefill_tok_s", "decode_tok_s", "long_decode_tok_s", "bw"):
+            if all(r.get(key) for r in samples):
+                row[key] = statistics.median(r[key] for r in samples)
         row["roof"] = statistics.median(_roof(r) for r in samples)
         rows.append(row)
     return rows
@@ -294,7 +304,9 @@ def print_paired(rounds: list[dict[str, dict]], ours: str) -> None:
     import statistics
 
     cells = []
-    for key, label in (("decode_tok_s", "decode"), ("prefill_tok_s", "prefill")):
+    for key, label in METRICS:
+        if not all(r.get(key) for rnd in rounds for r in rnd.values()):
+            continue  # no long decode without --long
         ratios = [rnd[ours][key] / max(r[key] for name, r in rnd.items() if name != ours)
                   for rnd in rounds]
         cells.append(f"{label} {statistics.median(ratios):.2f}x "
@@ -303,20 +315,28 @@ def print_paired(rounds: list[dict[str, dict]], ours: str) -> None:
           "median (min-max): " + "; ".join(cells))
 
 
+# (key, label) of the rates ours is set against the peer's; the long decode only with --long
+METRICS = (("decode_tok_s", "decode"), ("prefill_tok_s", "prefill"),
+           ("long_decode_tok_s", "long decode"))
+
+
 def print_table(rows: list[dict]) -> None:
     """Ours and llama.cpp's rows side by side, then ours against the fastest peer row."""
-    print(f"\n{'engine':<22}{'thr':>4}{'MB/tok':>8}{'prefill':>9}{'decode':>8}{'GB/s':>6}"
-          f"{'of roof':>8}  first tokens")
+    print(f"\n{'engine':<22}{'thr':>4}{'MB/tok':>8}{'prefill':>9}{'decode':>8}{'long dec':>9}"
+          f"{'GB/s':>6}{'of roof':>8}  first tokens")
     for r in rows:
         roof = r.get("roof", _roof(r))
         first = " ".join(map(str, r.get("tokens", []))) + ("" if r.get("finite", True)
                                                            else " NON-FINITE LOGITS")
+        longd = f"{r['long_decode_tok_s']:.2f}" if r.get("long_decode_tok_s") else "-"
         print(f"{r['name']:<22}{r['threads']:>4}{r['bytes_per_token'] / 1e6:>8.1f}"
-              f"{r['prefill_tok_s']:>9.1f}{r['decode_tok_s']:>8.2f}{r['bw']:>6.1f}{roof:>8.1%}"
-              f"  {first}")
+              f"{r['prefill_tok_s']:>9.1f}{r['decode_tok_s']:>8.2f}{longd:>9}{r['bw']:>6.1f}"
+              f"{roof:>8.1%}  {first}")
     ours, peers = rows[0], rows[1:]
     line = []
-    for key, label in (("decode_tok_s", "decode"), ("prefill_tok_s", "prefill")):
+    for key, label in METRICS:
+        if not ours.get(key) or not all(r.get(key) for r in peers):
+            continue  # no long decode without --long
         top = max(peers, key=lambda r, k=key: r[k])
         line.append(f"{label} {ours[key] / top[key]:.2f}x ({top['name'].split()[-1]} "
                     f"{top['threads']}t {top[key]:.1f} tok/s)")
@@ -340,6 +360,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="time ours and every peer row this many times, interleaved; the "
                         "table gives medians, then each round's ratio")
+    parser.add_argument("--long", type=int, default=0,
+                        help="also time LONG_DECODE (32) greedy decode steps after a prompt of "
+                        "this many tokens (default 0: none)")
     parser.add_argument("--peer-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     shape = SHAPES[args.shape]
@@ -351,7 +374,9 @@ def main() -> None:
         import moe_gguf
 
         result = moe_gguf.run_peer(Path(args.peer_child), int(args.peer_threads),
-                                   prompt_ids(args.prompt, vocab), args.decode)
+                                   prompt_ids(args.prompt, vocab), args.decode,
+                                   prompt_ids(args.long, vocab) if args.long else None,
+                                   LONG_DECODE)
         print(json.dumps(result))
         return
 
@@ -360,17 +385,25 @@ def main() -> None:
 
     from fixtures import converted
 
+    context = shape["config"]["max_position_embeddings"]
+    if args.long and args.long + LONG_DECODE > context:
+        parser.error(f"--long {args.long} and {LONG_DECODE} decode steps exceed the context "
+                     f"of {context} tokens")
     src = source(args.layers, args.experts, args.top, args.shape)
     t0 = time.perf_counter()
     model_dir = converted(src, args.quant)
-    model = Model(model_dir, "cpu")
+    # room in the KV cache for the long sequence, as bench_engine gives it (the default,
+    # without --long, is the model's context window)
+    model = Model(model_dir, "cpu", max_total_tokens=max(context, args.long + 2 * LONG_DECODE)
+                  if args.long else None)
     ready = time.perf_counter() - t0
     probe = ReadBandwidth()
     bw_before = probe.sample()
     probe.release()
     prompt = prompt_ids(args.prompt, vocab)
+    long_prompt = prompt_ids(args.long, vocab) if args.long else None
 
-    first = time_ours(model, prompt, args.decode)
+    first = time_ours(model, prompt, args.decode, long_prompt)
     bw_after = probe.sample()
     probe.release()
     bw = max(bw_before, bw_after)
@@ -381,6 +414,9 @@ def main() -> None:
     print(f"  prefill ({args.prompt} tokens)  {first['prefill_tok_s']:8.1f} tok/s")
     print(f"  decode (1 sequence)    {first['decode_tok_s']:8.2f} tok/s")
     print(f"  decode (4 sequences)   {first['decode4_tok_s']:8.2f} tok/s (summed)")
+    if args.long:
+        print(f"  long decode            {first['long_decode_tok_s']:8.2f} tok/s "
+              f"({LONG_DECODE} steps after a {args.long}-token prompt)")
     print(f"  bytes read per token   {per_token / 1e6:8.1f} MB (active experts, attention, head)")
     print(f"  read bandwidth         {bw_before:.1f} / {bw_after:.1f} GB/s (before / after)")
     print(f"  decode vs roofline     {per_token * first['decode_tok_s'] / (bw * 1e9):8.1%}")
@@ -401,7 +437,7 @@ def main() -> None:
             if rnd:  # ours again, between the peers' previous round and their next
                 before = probe.sample()
                 probe.release()
-                again = time_ours(model, prompt, args.decode)
+                again = time_ours(model, prompt, args.decode, long_prompt)
                 again.update(name=name, threads=threads, bytes_per_token=per_token,
                              bw=max(before, probe.sample()))
                 probe.release()
@@ -421,11 +457,14 @@ def main() -> None:
         print_paired(rounds, name)
 
 
-def time_ours(model, prompt: list[int], steps: int) -> dict:
+def time_ours(model, prompt: list[int], steps: int, long: list[int] | None = None) -> dict:
     """Our prefill of `prompt`, then `steps` greedy decode steps of one sequence and `steps / 2`
-    of four at once (tok/s summed)."""
+    of four at once (tok/s summed); with `long`, a fresh sequence prefilled with it, then
+    `LONG_DECODE` greedy steps timed."""
     seq = model.new_sequence()
-    model.prefill(seq, prompt[:8])  # warm-up (first-call allocations)
+    # warm-up (first-call allocations), a decode step too: the first steps after a load
+    # otherwise carry them into the decode rate
+    model.decode([seq], [int(np.argmax(model.prefill(seq, prompt[:8])))])
     model.remove(seq)
     seq = model.new_sequence()
     t = time.perf_counter()
@@ -447,7 +486,16 @@ def time_ours(model, prompt: list[int], steps: int) -> dict:
     decode4 = 4 * (steps // 2) / (time.perf_counter() - t)
     for s in seqs:
         model.remove(s)
-    return {"prefill_tok_s": prefill, "decode_tok_s": decode, "decode4_tok_s": decode4}
+    result = {"prefill_tok_s": prefill, "decode_tok_s": decode, "decode4_tok_s": decode4}
+    if long:
+        seq = model.new_sequence()
+        tok = int(np.argmax(model.prefill(seq, long)))  # in prefill chunks
+        t = time.perf_counter()
+        for _ in range(LONG_DECODE):
+            tok = int(np.argmax(model.decode([seq], [tok])[0]))
+        result["long_decode_tok_s"] = LONG_DECODE / (time.perf_counter() - t)
+        model.remove(seq)
+    return result
 
 
 if __name__ == "__main__":

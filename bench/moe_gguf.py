@@ -260,15 +260,18 @@ def bytes_per_token(path: Path, experts: int, top: int) -> int:
     return int(total)
 
 
-def run_peer(path: Path, threads: int, prompt: list[int], decode: int) -> dict:
+def run_peer(path: Path, threads: int, prompt: list[int], decode: int,
+             long: list[int] | None = None, long_decode: int = 32) -> dict:
     """llama.cpp on `path` with `threads` threads: prefill of `prompt`, then `decode` greedy
-    steps (argmax of the raw logits, as ours), as bench/bench_engine.py's peer is timed."""
+    steps (argmax of the raw logits, as ours), as bench/bench_engine.py's peer is timed; with
+    `long`, the context reset, `long` prefilled and `long_decode` greedy steps timed after it."""
     import time
 
     import llama_cpp
     from llama_cpp import Llama
 
-    llm = Llama(model_path=str(path), n_ctx=max(512, len(prompt) + decode + 16), n_batch=512,
+    n_ctx = max(512, len(prompt) + decode + 16, len(long or ()) + 2 * long_decode)
+    llm = Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512,
                 n_threads=threads, n_threads_batch=threads, verbose=False)
     n_vocab = llm.n_vocab()
 
@@ -283,12 +286,24 @@ def run_peer(path: Path, threads: int, prompt: list[int], decode: int) -> dict:
     prefill_s = time.perf_counter() - start
     finite = bool(np.isfinite(last_logits()).all())
     tokens = []
-    start = time.perf_counter()
-    for _ in range(decode):
-        logits = last_logits()
-        finite &= bool(np.isfinite(logits).all())
-        tokens.append(int(np.argmax(logits)))
-        llm.eval([tokens[-1]])
-    decode_s = time.perf_counter() - start
-    return {"prefill_tok_s": len(prompt) / prefill_s, "decode_tok_s": decode / decode_s,
-            "tokens": tokens[:8], "finite": finite}
+
+    def greedy(steps: int) -> float:
+        """Seconds for `steps` greedy steps, each token appended to `tokens`."""
+        nonlocal finite
+        start = time.perf_counter()
+        for _ in range(steps):
+            logits = last_logits()
+            finite &= bool(np.isfinite(logits).all())
+            tokens.append(int(np.argmax(logits)))
+            llm.eval([tokens[-1]])
+        return time.perf_counter() - start
+
+    decode_s = greedy(decode)
+    result = {"prefill_tok_s": len(prompt) / prefill_s, "decode_tok_s": decode / decode_s,
+              "tokens": tokens[:8], "finite": finite}
+    if long:
+        llm.reset()
+        llm.eval(long)
+        result["long_decode_tok_s"] = long_decode / greedy(long_decode)
+        result["finite"] = finite
+    return result
