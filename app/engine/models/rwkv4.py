@@ -39,6 +39,7 @@ from tvm.target import Target
 from localchat.engine.build.quantization import QuantMode
 from localchat.engine.kernels import wkv
 from localchat.engine.models import Architecture, probes
+from localchat.engine.models import activations as act
 from localchat.engine.models.layers import BuildContext, Embedding, Linear
 from localchat.engine.models.recurrent import (
     RecurrentLM,
@@ -158,7 +159,8 @@ class TimeMix(nn.Module):
         xk, xv, xr = seg.token_mix(xx, prev, self.time_mix_k, self.time_mix_v, self.time_mix_r)
         k = probes.probe("attention.key", seg.project(self.key, xk))
         v = probes.probe("attention.value", seg.project(self.value, xv))
-        r = op.sigmoid(probes.probe("attention.receptance", seg.project(self.receptance, xr)))
+        r = act.sigmoid(probes.probe("attention.receptance", seg.project(self.receptance, xr)),
+                        not self.gpu)
         n = xx.shape[0]
         y, aa, bb, pp = op.tensor_ir_op(
             wkv.wkv_scan(a, dt, self.gpu),
@@ -183,7 +185,7 @@ class TimeMix(nn.Module):
 class ChannelMix(nn.Module):
     def __init__(self, cfg: Rwkv4Config, ctx: BuildContext) -> None:
         h, f, dt = cfg.hidden_size, cfg.intermediate_size, ctx.dtype
-        self.dtype = dt
+        self.dtype, self.cpu = dt, ctx.cpu
         self.time_mix_k = nn.Parameter((h,), dt)
         self.time_mix_r = nn.Parameter((h,), dt)
         self.key = Linear(h, f, False, ctx)
@@ -194,7 +196,8 @@ class ChannelMix(nn.Module):
         prev = state.get(layer_id, FFN_X, seg.batch, xx.shape[-1], self.dtype)
         xk, xr = seg.token_mix(xx, prev, self.time_mix_k, self.time_mix_r)
         k = op.square(op.relu(probes.probe("feed_forward.key", seg.project(self.key, xk))))
-        r = op.sigmoid(probes.probe("feed_forward.receptance", seg.project(self.receptance, xr)))
+        r = act.sigmoid(probes.probe("feed_forward.receptance", seg.project(self.receptance, xr)),
+                        self.cpu)
         state = state.set(layer_id, FFN_X, probes.probe("state.ffn_x", seg.last_rows(xx)))
         return r * probes.probe("feed_forward.value", seg.project(self.value, k)), state
 

@@ -38,6 +38,7 @@ from tvm.target import Target
 from localchat.engine.build.quantization import QuantMode
 from localchat.engine.kernels import wkv6
 from localchat.engine.models import Architecture, probes
+from localchat.engine.models import activations as act
 from localchat.engine.models.layers import BuildContext, Embedding, Linear
 from localchat.engine.models.recurrent import (
     ATT_KV,
@@ -165,15 +166,16 @@ class TimeMix(nn.Module):
         prev = state.get(layer_id, ATT_X, batch, c, dt)
         kv = state.get(layer_id, ATT_KV, batch, (h, n_, n_), "float32")
         sx = seg.token_shift(xx, prev) - xx
-        lora = op.tanh(seg.project(self.maa_w1, xx + sx * self.maa_x))
+        cpu = not self.gpu
+        lora = act.tanh(seg.project(self.maa_w1, xx + sx * self.maa_x), cpu)
         parts = op.split(lora, len(MIXES), axis=1)
         mixed = {m: xx + sx * (getattr(self, f"maa_{m}") + seg.project(lin, part))
                  for m, lin, part in zip(MIXES, self.maa_w2, parts)}
         r = probes.probe("att.receptance", seg.project(self.receptance, mixed["r"]))
         k = probes.probe("att.key", seg.project(self.key, mixed["k"]))
         v = probes.probe("att.value", seg.project(self.value, mixed["v"]))
-        g = probes.probe("att.gate", op.silu(seg.project(self.gate, mixed["g"])))
-        lora = seg.project(self.decay_w2, op.tanh(seg.project(self.decay_w1, mixed["w"])))
+        g = probes.probe("att.gate", act.silu(seg.project(self.gate, mixed["g"]), cpu))
+        lora = seg.project(self.decay_w2, act.tanh(seg.project(self.decay_w1, mixed["w"]), cpu))
         w_raw = probes.probe("att.w", self.decay + (lora if dt == "float32" else
                                                      lora.astype("float32")))
         y, kv = op.tensor_ir_op(
@@ -202,7 +204,7 @@ class TimeMix(nn.Module):
 class ChannelMix(nn.Module):
     def __init__(self, cfg: Rwkv6Config, ctx: BuildContext) -> None:
         c, f, dt = cfg.hidden_size, cfg.intermediate_size, ctx.dtype
-        self.dtype = dt
+        self.dtype, self.cpu = dt, ctx.cpu
         self.maa_k = nn.Parameter((c,), dt)
         self.maa_r = nn.Parameter((c,), dt)
         self.key = Linear(c, f, False, ctx)
@@ -212,7 +214,7 @@ class ChannelMix(nn.Module):
     def forward(self, xx: nn.Tensor, seg: Segments, state: RnnState, layer_id: int):
         prev = state.get(layer_id, FFN_X, seg.batch, xx.shape[-1], self.dtype)
         xk, xr = token_lerp(seg, xx, prev, self.maa_k, self.maa_r)
-        r = op.sigmoid(probes.probe("ffn.receptance", seg.project(self.receptance, xr)))
+        r = act.sigmoid(probes.probe("ffn.receptance", seg.project(self.receptance, xr)), self.cpu)
         k = op.square(op.relu(probes.probe("ffn.key", seg.project(self.key, xk))))
         state = state.set(layer_id, FFN_X, probes.probe("state.ffn_x", seg.last_rows(xx)))
         return probes.probe("ffn.output", r * seg.project(self.value, k)), state

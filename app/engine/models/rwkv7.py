@@ -40,6 +40,7 @@ from tvm.target import Target
 from localchat.engine.build.quantization import QuantMode
 from localchat.engine.kernels import wkv7
 from localchat.engine.models import Architecture, probes
+from localchat.engine.models import activations as act
 from localchat.engine.models.layers import BuildContext, Embedding, Linear
 from localchat.engine.models.recurrent import (
     ATT_KV,
@@ -185,12 +186,14 @@ class TimeMix(nn.Module):
         r = probes.probe("att.receptance", seg.project(self.receptance, xr))
         k = probes.probe("att.key", seg.project(self.key, xk))
         v = probes.probe("att.value", seg.project(self.value, xv))
-        lora = seg.project(self.w2, op.tanh(seg.project(self.w1, xw)))
+        cpu = not self.gpu
+        lora = seg.project(self.w2, act.tanh(seg.project(self.w1, xw), cpu))
         w_raw = probes.probe("att.w", self.w0 + (lora if dt == "float32" else
                                                  lora.astype("float32")))
-        a = probes.probe("att.a", op.sigmoid(self.a0 + seg.project(self.a2,
-                                                                   seg.project(self.a1, xa))))
-        g = probes.probe("att.g", seg.project(self.g2, op.sigmoid(seg.project(self.g1, xg))))
+        a = probes.probe("att.a", act.sigmoid(
+            self.a0 + seg.project(self.a2, seg.project(self.a1, xa)), cpu))
+        g = probes.probe("att.g", seg.project(self.g2,
+                                              act.sigmoid(seg.project(self.g1, xg), cpu)))
         kk = op.reshape(k * self.k_k, (n, h, n_))
         norm = op.sqrt(op.sum(op.square(kk), axis=-1, keepdims=True))
         kk = op.reshape(kk / op.maximum(norm, op.full((1,), KK_EPS, dt)), (n, c))
@@ -198,7 +201,7 @@ class TimeMix(nn.Module):
         if self.first:
             v_first = v
         else:
-            mix = op.sigmoid(self.v0 + seg.project(self.v2, seg.project(self.v1, xv)))
+            mix = act.sigmoid(self.v0 + seg.project(self.v2, seg.project(self.v1, xv)), cpu)
             v = v + (v_first - v) * mix
         y, kv = op.tensor_ir_op(
             wkv7.wkv7_scan(h, n_, dt, self.gpu),
