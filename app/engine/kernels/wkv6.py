@@ -37,8 +37,8 @@ def wkv6_scan(heads: int, head_size: int, dtype: str, gpu: bool = False) -> tirx
     prompt and the heads of all sequences fill the cores. The decay is computed in vectors by
     `exp2` (a libm exp is a call per lane) and the first token reads S where later ones read
     S', so the state is never copied: 71 -> 34 us a decode step at 40 heads of 64, 2
-    threads. `gpu`: one block per (sequence,
-    head), one thread per state column, the step's r, k and w shared."""
+    threads. `gpu`: one block per (sequence, head), one thread per state column, the step's
+    r, k and w shared."""
     if gpu:
         return _wkv6_scan_gpu(heads, head_size, dtype)
     H, N = heads, head_size  # noqa: N806 (the paper's names)
