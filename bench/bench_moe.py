@@ -67,6 +67,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 LONG_DECODE = 32  # decode steps timed after the `--long` prompt
+# (key, label) of the rates ours is set against the peer's; the long decode only with --long
+METRICS = (("decode_tok_s", "decode"), ("prefill_tok_s", "prefill"),
+           ("long_decode_tok_s", "long decode"))
 
 SHAPE = {
     "hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
@@ -313,11 +316,6 @@ def print_paired(rounds: list[dict[str, dict]], ours: str) -> None:
                      f"({min(ratios):.2f}-{max(ratios):.2f})")
     print(f"paired, per round ({len(rounds)} rounds): ours / the round's fastest llama.cpp row, "
           "median (min-max): " + "; ".join(cells))
-
-
-# (key, label) of the rates ours is set against the peer's; the long decode only with --long
-METRICS = (("decode_tok_s", "decode"), ("prefill_tok_s", "prefill"),
-           ("long_decode_tok_s", "long decode"))
 
 
 def print_table(rows: list[dict]) -> None:

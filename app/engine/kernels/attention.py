@@ -79,6 +79,7 @@ from localchat.engine.kernels import tvm_private
 from localchat.engine.kernels.common import (
     LANES,
     LOG2E,
+    add,
     exp2,
     lane_tree,
     prefetch,
@@ -718,9 +719,6 @@ def attention_decode_paged_cpu(
             acc = acc + lanes_of(ql, vw, g, c * vw) * T.Cast(
                 f"float32x{vw}" if vw > 1 else f32, k_part)
         return acc
-
-    def add(a, b):
-        return a + b
 
     def maximum(a, b):
         return T.max(a, b)

@@ -194,6 +194,17 @@ def exp2(x):
     return p * two_n
 
 
+def exp(x):
+    """e**x for float32 (scalar or vector) x by `exp2` (x * log2 e rounds: for |x| of a few
+    units its error is a few units in the last place). Unlike libm's, it vectorizes."""
+    return exp2(x * T.float32(LOG2E))
+
+
+def sigmoid(x):
+    """1 / (1 + e^-x) for float32 (scalar or vector) x by `exp2`: it vectorizes."""
+    return T.float32(1) / (T.float32(1) + exp2(x * T.float32(-LOG2E)))
+
+
 def tanh(x):
     """tanh(x) for float32 (scalar or vector) x, as 1 - 2 / (e^2x + 1) with `exp2`: it
     vectorizes (libm's tanhf does not); absolute error ~2e-7, exactly +-1 for large |x|."""
@@ -306,6 +317,11 @@ def wide_registers(isa: bool | str) -> bool:
     """Whether a `gemv_isa` value means AVX-512 (32 vector registers: `gemm`'s wide
     micro-kernel)."""
     return isa is True or isa == "vnni"
+
+
+def add(a, b):
+    """a + b: the op of a summing `lane_tree`."""
+    return a + b
 
 
 def lane_tree(vec, lanes: int, op):

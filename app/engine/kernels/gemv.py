@@ -68,6 +68,7 @@ from localchat.engine.kernels.common import (
     MX,
     NIBBLES_PER_WORD,
     WORDS_PER_GROUP,
+    add,
     asym_layout,
     asym_width,
     divisor,
@@ -355,10 +356,6 @@ def _many_rows(m) -> bool:
     return not isinstance(m, int)
 
 
-def _add(a, b):
-    return a + b
-
-
 def _dpbusd(acc, a_u8, b_s8, groups: int):
     """vpdpbusd: acc[lane] += sum of the 4 products u8(a) * s8(b) of the lane's bytes (LLVM 22
     types the byte operands as <4G x i8>)."""
@@ -554,10 +551,10 @@ def gemv_q4_vnni_macro(
             xq[r, word0 + q * groups + e] = pk[q]
         if asym:
             xo[r, g] = T.Cast(
-                F32, lane_tree(qv[T.Ramp(0, 1, GROUP_SIZE)], GROUP_SIZE, _add)
+                F32, lane_tree(qv[T.Ramp(0, 1, GROUP_SIZE)], GROUP_SIZE, add)
             ) * xs[r, g]
         else:
-            xo[r, g] = lane_tree(qv[T.Ramp(0, 1, GROUP_SIZE)], GROUP_SIZE, _add) * -offset
+            xo[r, g] = lane_tree(qv[T.Ramp(0, 1, GROUP_SIZE)], GROUP_SIZE, add) * -offset
 
     # groups [0, g4) sit in units of 16, [g4, kg4) in units of 4; contiguous loads up to kfull
     f16, m16 = min(kfull, g4), g4
@@ -730,14 +727,14 @@ def gemv_q4_vnni_macro(
                 prep4_row(xq, xs, xo, xq4, xs4, xo4, r)
 
     def sum_lanes(buf, base, count):
-        return lane_tree(buf[T.Ramp(base, 1, count)], count, _add)
+        return lane_tree(buf[T.Ramp(base, 1, count)], count, add)
 
     def rows_sums(f16, f4, nrows):
         """Each of `nrows` rows' total, as `sum_lanes` of its f16 lanes plus of its f4 lanes."""
-        sums16 = rows_lane_tree([f16[T.Ramp(a * ug, 1, ug)] for a in range(nrows)], ug, _add)
+        sums16 = rows_lane_tree([f16[T.Ramp(a * ug, 1, ug)] for a in range(nrows)], ug, add)
         per = min(nrows * 4, LANES)
         sums4 = rows_lane_tree(
-            [f4[T.Ramp(a, 1, per)] for a in range(0, nrows * 4, per)], 4, _add)
+            [f4[T.Ramp(a, 1, per)] for a in range(0, nrows * 4, per)], 4, add)
         if both:
             return sums16 + sums4
         return sums16 if only16 else sums4
@@ -1137,7 +1134,7 @@ def gemv_q8_macro(k: int, n: int, dtype: str, bias: bool):
                 for jj in range(rb):
                     store(
                         y, b, r, jo * rb + jj,
-                        lane_tree(acc[T.Ramp(jj * LANES, 1, LANES)], LANES, _add),
+                        lane_tree(acc[T.Ramp(jj * LANES, 1, LANES)], LANES, add),
                     )
 
     return body
@@ -1272,11 +1269,11 @@ def gemv_q8_vnni_macro(
             if odd:
                 store(
                     y, b, r0 + rr, row,
-                    lane_tree(f16[T.Ramp(rr * LANES, 1, LANES)], LANES, _add)
-                    + lane_tree(f8[T.Ramp(rr * 8, 1, 8)], 8, _add),
+                    lane_tree(f16[T.Ramp(rr * LANES, 1, LANES)], LANES, add)
+                    + lane_tree(f8[T.Ramp(rr * 8, 1, 8)], 8, add),
                 )
             else:
-                store(y, b, r0 + rr, row, lane_tree(f16[T.Ramp(rr * LANES, 1, LANES)], LANES, _add))
+                store(y, b, r0 + rr, row, lane_tree(f16[T.Ramp(rr * LANES, 1, LANES)], LANES, add))
 
     @T.macro
     def tail_blocks(w, s, b, y, xq, xe, row, m):

@@ -35,6 +35,7 @@ from localchat.engine.kernels.common import (
     INT8_ISAS,
     LANES,
     LONG_ROW_BYTES,
+    add,
     divisor,
     f16_bytes,
     lane_tree,
@@ -43,7 +44,6 @@ from localchat.engine.kernels.common import (
 )
 from localchat.engine.kernels.gemv import (
     TILE_ROWS,
-    _add,
     _dpbusd,
     _madd_pairs,
     _maddubs,
@@ -114,7 +114,7 @@ def q6_gemv_macro(k: int, n: int, dtype: str, bias: bool, isa: bool | str):
                 sub = g * (GROUP // SUB) + h  # sub-block index along the row
                 at = (sub // SUBS) * SUBS * QUADS + sub % SUBS
                 xe[r, sub] = sc[0] / T.float32(127)
-                xo[r, sub] = T.int32(-32) * lane_tree(qv[T.Ramp(h * SUB, 1, SUB)], SUB, _add)
+                xo[r, sub] = T.int32(-32) * lane_tree(qv[T.Ramp(h * SUB, 1, SUB)], SUB, add)
                 xq[r, T.Ramp(at, SUBS, QUADS)] = T.reinterpret(
                     f"int32x{QUADS}", T.Cast(f"int8x{SUB}", qv[T.Ramp(h * SUB, 1, SUB)]))
 
@@ -122,7 +122,7 @@ def q6_gemv_macro(k: int, n: int, dtype: str, bias: bool, isa: bool | str):
     def prep_float(x, xp, xs, r):
         for sub in range(k // SUB):
             base = (sub // SUBS) * SUPER + sub % SUBS
-            xs[r, sub] = lane_tree(T.Cast(V32, x[r, T.Ramp(sub * SUB, 1, SUB)]), SUB, _add)
+            xs[r, sub] = lane_tree(T.Cast(V32, x[r, T.Ramp(sub * SUB, 1, SUB)]), SUB, add)
             for t in range(SUB):  # code t = 4 v + b of the sub-block: at v * 64 + b * 16 + e
                 xp[r, base + (t // QUADS) * QUADS * SUBS + (t % QUADS) * SUBS] = T.Cast(
                     F32, x[r, sub * SUB + t])
@@ -192,7 +192,7 @@ def q6_gemv_macro(k: int, n: int, dtype: str, bias: bool, isa: bool | str):
             f[T.Ramp(a * LANES, 1, LANES)] = T.Broadcast(T.float32(0), LANES)
         accumulate(w, s, xq, xe, xo, f, 0, row, r0, nrows, 0, nsb, pf)
         for rr in range(nrows):
-            store(y, b, r0 + rr, row, lane_tree(f[T.Ramp(rr * LANES, 1, LANES)], LANES, _add))
+            store(y, b, r0 + rr, row, lane_tree(f[T.Ramp(rr * LANES, 1, LANES)], LANES, add))
 
     @T.macro
     def chunked_block(w, s, b, y, xq, xe, xo, tile, r0):
@@ -214,7 +214,7 @@ def q6_gemv_macro(k: int, n: int, dtype: str, bias: bool, isa: bool | str):
         for rr in range(nr):
             for a in range(ROWS):
                 store(y, b, r0 + a, tile * nr + rr,
-                      lane_tree(acc[T.Ramp((rr * ROWS + a) * LANES, 1, LANES)], LANES, _add))
+                      lane_tree(acc[T.Ramp((rr * ROWS + a) * LANES, 1, LANES)], LANES, add))
 
     @T.macro
     def tail_rows(w, s, b, y, xq, xe, xo, row, m, pf):

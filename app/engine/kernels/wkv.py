@@ -31,14 +31,7 @@ import functools
 from tvm import te, tirx
 from tvm.script import tirx as T
 
-from localchat.engine.kernels.common import (
-    GPU_COPY_THREADS,
-    GPU_THREADS,
-    LOG2E,
-    exp2,
-    scheduled,
-    vec_width,
-)
+from localchat.engine.kernels.common import GPU_COPY_THREADS, GPU_THREADS, exp, scheduled, vec_width
 
 
 def segment_starts(ends: te.Tensor, n: tirx.PrimExpr) -> te.Tensor:
@@ -74,12 +67,6 @@ def token_mix(x: te.Tensor, prev: te.Tensor, start_of: te.Tensor, *mixes: te.Ten
 
     outs = [te.compute((n, h), mixer(m), name=f"token_mix{i}") for i, m in enumerate(mixes)]
     return outs if len(outs) > 1 else outs[0]
-
-
-def _exp(x):
-    """e**x by `exp2`: in a vectorized loop it stays in vectors (a vector libm exp is 16 calls
-    to expf); every argument here is <= 0, where its error is a few units in the last place."""
-    return exp2(x * T.float32(LOG2E))
 
 
 @functools.cache  # one parse per model instead of one per layer and function
@@ -139,15 +126,15 @@ def wkv_scan(channels: int, dtype: str, gpu: bool = False) -> tirx.PrimFunc:
                         vv[e] = T.Cast(f32, v[first + t, co * cl + e])
                         # output at t
                         q[e] = T.max(sp[e], u[co * cl + e] + kk[e])
-                        e1[e] = _exp(sp[e] - q[e])
-                        e2[e] = _exp(u[co * cl + e] + kk[e] - q[e])
+                        e1[e] = exp(sp[e] - q[e])
+                        e2[e] = exp(u[co * cl + e] + kk[e] - q[e])
                         y[first + t, co * cl + e] = T.Cast(
                             dtype, (e1[e] * sa[e] + e2[e] * vv[e]) / (e1[e] * sb[e] + e2[e])
                         )
                         # state after t
                         q[e] = T.max(sp[e] + w[co * cl + e], kk[e])
-                        e1[e] = _exp(sp[e] + w[co * cl + e] - q[e])
-                        e2[e] = _exp(kk[e] - q[e])
+                        e1[e] = exp(sp[e] + w[co * cl + e] - q[e])
+                        e2[e] = exp(kk[e] - q[e])
                         sa[e] = e1[e] * sa[e] + e2[e] * vv[e]
                         sb[e] = e1[e] * sb[e] + e2[e]
                         sp[e] = q[e]

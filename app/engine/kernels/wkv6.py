@@ -20,7 +20,7 @@ import functools
 from tvm import tirx
 from tvm.script import tirx as T
 
-from localchat.engine.kernels.common import LOG2E, exp2, scheduled, vec_width
+from localchat.engine.kernels.common import exp, scheduled, vec_width
 
 
 @functools.cache  # one parse per model instead of one per layer and function
@@ -51,9 +51,8 @@ def wkv6_scan(heads: int, head_size: int, dtype: str, gpu: bool = False) -> tirx
         """Token t (of sequence bh // H) in head bh % H: s_out = the step of src and y[t] (the
         scratch vectors: the step's w, k, r and v as float32, y's sums)."""
         for jo in range(N // cl):
-            for e in T.vectorized(cl):  # exp(-exp(w)) with exp2: it vectorizes, libm's does not
-                ww[jo * cl + e] = exp2(T.float32(-LOG2E) * exp2(
-                    w[t, bh % H * N + jo * cl + e] * T.float32(LOG2E)))
+            for e in T.vectorized(cl):  # common.exp vectorizes, libm's does not
+                ww[jo * cl + e] = exp(-exp(w[t, bh % H * N + jo * cl + e]))
         for j in range(N):
             kv[j] = T.Cast(f32, k[t, bh % H * N + j])
             rv[j] = T.Cast(f32, r[t, bh % H * N + j])

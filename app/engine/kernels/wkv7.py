@@ -20,13 +20,9 @@ import functools
 from tvm import te, tirx
 from tvm.script import tirx as T
 
-from localchat.engine.kernels.common import LOG2E, exp2, lane_tree, scheduled, vec_width
+from localchat.engine.kernels.common import LOG2E, add, exp2, lane_tree, scheduled, vec_width
 
 DECAY_SCALE = -0.606531  # -exp(-0.5): the reference's w = exp(-0.606531 * sigmoid(w0 + lora))
-
-
-def _add(x, y):
-    return x + y
 
 
 def token_lerp(x: te.Tensor, prev: te.Tensor, start_of: te.Tensor, *mixes: te.Tensor):
@@ -90,7 +86,7 @@ def wkv7_scan(heads: int, head_size: int, dtype: str, gpu: bool = False) -> tirx
             for jo in range(N // cl):
                 for e in T.vectorized(cl):
                     acc[e] = acc[e] + src[bh // H, bh % H, i, jo * cl + e] * nk[jo * cl + e]
-            dot[0] = lane_tree(acc[T.Ramp(0, 1, cl)], cl, _add)
+            dot[0] = lane_tree(acc[T.Ramp(0, 1, cl)], cl, add)
             for e in T.vectorized(cl):
                 acc[e] = T.float32(0)
             for jo in range(N // cl):
@@ -101,7 +97,7 @@ def wkv7_scan(heads: int, head_size: int, dtype: str, gpu: bool = False) -> tirx
                         + vv[i] * kv[jo * cl + e]
                     )
                     acc[e] = acc[e] + s_out[bh // H, bh % H, i, jo * cl + e] * rv[jo * cl + e]
-            dot[1] = lane_tree(acc[T.Ramp(0, 1, cl)], cl, _add)
+            dot[1] = lane_tree(acc[T.Ramp(0, 1, cl)], cl, add)
             y[t, bh % H * N + i] = T.Cast(dtype, dot[1])
 
     @T.prim_func(private=True)

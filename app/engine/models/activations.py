@@ -4,7 +4,7 @@ the CPU.
 Relax's own `op.sigmoid`/`op.tanh`/`op.silu` lower to one libm call per element, which keeps
 LLVM from vectorizing the fused kernel around them: on the RWKV-7 2.9B shape a decode step's
 two sigmoids over 2,560 channels took 13-18 us a layer, and a prefill chunk pays that per
-token. Here each is a tensor expression over `kernels.common.exp2` (~2e-7 relative error),
+token. Here each is a tensor expression over `kernels.common` (`exp2`: ~2e-7 relative error),
 which fuses with its neighbours like any elementwise op and vectorizes. On a GPU the Relax ops
 stay (their exp is an instruction there).
 """
@@ -33,14 +33,9 @@ def _elementwise(x: nn.Tensor, name: str, f: Callable[[tirx.PrimExpr], tirx.Prim
     return op.tensor_expr_op(compute, name, [x])
 
 
-def _sigmoid(v: tirx.PrimExpr) -> tirx.PrimExpr:
-    return tirx.const(1, F32) / (tirx.const(1, F32) + common.exp2(v * tirx.const(-common.LOG2E,
-                                                                                 F32)))
-
-
 def sigmoid(x: nn.Tensor, cpu: bool) -> nn.Tensor:
     """1 / (1 + e^-x), elementwise."""
-    return _elementwise(x, "sigmoid_vec", _sigmoid) if cpu else op.sigmoid(x)
+    return _elementwise(x, "sigmoid_vec", common.sigmoid) if cpu else op.sigmoid(x)
 
 
 def tanh(x: nn.Tensor, cpu: bool) -> nn.Tensor:
@@ -50,4 +45,4 @@ def tanh(x: nn.Tensor, cpu: bool) -> nn.Tensor:
 
 def silu(x: nn.Tensor, cpu: bool) -> nn.Tensor:
     """x / (1 + e^-x), elementwise."""
-    return _elementwise(x, "silu_vec", lambda v: v * _sigmoid(v)) if cpu else op.silu(x)
+    return _elementwise(x, "silu_vec", lambda v: v * common.sigmoid(v)) if cpu else op.silu(x)
