@@ -143,16 +143,25 @@ def _mx_value(words: te.Tensor, exponents: te.Tensor, row, col, dtype: str) -> t
     """Weight [row, col] of an MXFP4 matrix (FP4 E2M1 codes in 4-bit words, uint8 E8M0
     exponents per group of 32: FP4(code) * 2^(e - 127)), as `dtype`: exact in float32."""
     code = _nibble(words, row, col)
-    low = tirx.bitwise_and(code, tirx.const(7, "uint32"))
-    magnitude = tirx.const(6.0, "float32")
-    for c in range(6, -1, -1):  # a select chain over the 8 magnitudes (0 .. 6)
-        magnitude = tirx.Select(low == c, tirx.const(float(FP4_VALUES[c]), "float32"),
-                                magnitude)
-    signed = tirx.Select(code >= 8, -magnitude, magnitude)
+    # twice the 8 magnitudes (0, 1, 2, 3, 4, 6, 8, 12), a nibble each of one constant: a shift
+    # picks one with no branch (a select chain became nested branches on a GPU, each loading
+    # the word again: the MXFP4 expert GEMV ran at a fifth of the 4-bit one's speed)
+    twice = tirx.bitwise_and(
+        tirx.shift_right(tirx.const(_FP4_TWICE, "uint32"),
+                         tirx.shift_left(tirx.bitwise_and(code, tirx.const(7, "uint32")),
+                                         tirx.const(2, "uint32"))),
+        tirx.const(15, "uint32"))
+    magnitude = twice.astype("float32") * tirx.const(0.5, "float32")
+    sign = tirx.const(1.0, "float32") - (code >> 3).astype("float32") * \
+        tirx.const(2.0, "float32")
     # 2^(e - 127) is the float32 whose exponent bits are e (e = 0, 2^-127, reads as 0)
     power = tirx.reinterpret("float32", tirx.shift_left(
         exponents[row, col // GROUP_SIZE].astype("uint32"), tirx.const(23, "uint32")))
-    return (signed * power).astype(dtype)
+    return (magnitude * sign * power).astype(dtype)
+
+
+# twice FP4_VALUES[c] in nibble c: 0xC8643210
+_FP4_TWICE = sum(int(2 * v) << (4 * c) for c, v in enumerate(FP4_VALUES[:8]))
 
 
 def _quantized_params(
