@@ -12,7 +12,10 @@ the reference's greedy tokens and logits beside it, and notes a model the GPU pa
 `prepare --speed F16.gguf` also converts a large model (bench_engine.py's `1b` shape) at
 q4f16_1 and q0f16 and keeps only the weights' layout: `run` writes random weights of that
 layout there (the files are too big to carry) and times a 451-token prefill and decode steps,
-with decode's weight bytes per second beside the GPU's copy bandwidth measured in the same run.
+with decode's weight bytes per second beside the GPU's copy bandwidth measured in the same run;
+`prepare --speed-moe` does the same for gpt-oss-20b's widths (`GPT_OSS_SHAPE`) at q4f32_mx and
+q4f16_1. The modes that hold a GGUF's or OpenAI's blocks (`TWIN_QUANTS`) are also run on this
+CPU at `prepare`, and `run` holds the GPU's logits and greedy tokens against that run's.
 `run` needs only TVM's runtime and numpy: per model and mode it prints the top-1 agreement of
 our teacher-forced logits with the reference, the largest logit error relative to the
 reference's largest logit, whether the greedy run equals the reference (asked of q0f32, as on
@@ -54,6 +57,8 @@ HF_CASES = {
     "mixtral": ("moe_variants", "mixtral-gpu"),
     "gpt-oss": ("moe_variants", "gpt-oss-gpu"),
     "gpt-oss-mx": ("moe_variants", "gpt-oss-mxfp4"),  # experts MXFP4: q4f32_mx holds them
+    # gpt-oss-20b's own head of 64 (+ 16 sink lanes), the width its q4f32_mx default runs at
+    "gpt-oss-mx64": ("moe_variants", "gpt-oss-mx64-gpu"),
     "rwkv4": ("rwkv_variants", "rwkv4-odd"),
 }
 # the MoE variants with heads of 32: TVM's float32 GPU prefill has no tiling for their 36
@@ -61,7 +66,21 @@ MOE_GPU = {"qwen3-moe-gpu": ("qwen3-moe", {"head_dim": 32}),
            "olmoe-gpu": ("olmoe", {"hidden_size": 128}),
            "mixtral-gpu": ("mixtral", {"head_dim": 32}),
            # gpt-oss's sinks pad the cache's head by 16: 32 + 16 has a tiling, 36 + 16 not
-           "gpt-oss-gpu": ("gpt-oss", {"head_dim": 32})}
+           "gpt-oss-gpu": ("gpt-oss", {"head_dim": 32}),
+           "gpt-oss-mx64-gpu": ("gpt-oss-mxfp4", {"head_dim": 64})}
+# modes beyond --quants for some models: the modes that hold a GGUF's or OpenAI's blocks exactly
+EXTRA_QUANTS = {"llama": ("q4f32_k", "q4f32_0"), "gpt-oss-mx": ("q4f32_mx",),
+                "gpt-oss-mx64": ("q4f32_mx",)}
+# modes whose GPU run is also held against the CPU's run of the same converted weights (logits
+# and greedy tokens): the oracle for a quantized mode, where transformers' floats are not
+TWIN_QUANTS = ("q4f32_k", "q4f32_0", "q4f32_mx")
+# gpt-oss-20b's widths (2 of its 24 layers, 8 of its 32 experts, a 32,000-token vocabulary) for
+# `prepare --speed-moe`: the real shapes' kernels compiled and timed
+GPT_OSS_SHAPE = {"hidden_size": 2880, "intermediate_size": 2880, "num_attention_heads": 64,
+                 "num_key_value_heads": 8, "head_dim": 64, "num_hidden_layers": 2,
+                 "num_local_experts": 8, "num_experts_per_tok": 4, "sliding_window": 128,
+                 "layer_types": ["sliding_attention", "full_attention"], "vocab_size": 32000,
+                 "max_position_embeddings": 8192}
 # Gemma 3 again with its window wider than prompt + reply: the window's part in a fault
 WIDE_WINDOW = {"gemma3-wide": ("gemma3-odd", {"sliding_window": 64})}
 PTH_CASES = {"rwkv6": "rwkv6_variants", "rwkv7": "rwkv7_variants"}
@@ -133,8 +152,8 @@ def prepare(root: Path, arch: str, only: list[str] | None,
         tokens, logits = reference(prompt)
         np.save(root / f"{name}-reference.npy", np.asarray(logits, dtype=np.float32))
         case: dict[str, Any] = {"prompt": prompt, "tokens": [int(t) for t in tokens],
-                                "models": {}, "refused": {}}
-        for quant in quants:
+                                "models": {}, "refused": {}, "cpu_tokens": {}}
+        for quant in quants + EXTRA_QUANTS.get(name, ()):
             out = root / f"{name}-{quant}"
             shutil.rmtree(out, ignore_errors=True)
             t0 = time.perf_counter()
@@ -145,9 +164,32 @@ def prepare(root: Path, arch: str, only: list[str] | None,
                 print(f"{name} {quant}: refused: {case['refused'][quant]}", flush=True)
                 continue
             case["models"][quant] = out.name
+            if quant in TWIN_QUANTS:
+                case["cpu_tokens"][quant] = _cpu_twin(folder, root, name, quant, prompt, tokens)
             print(f"{name} {quant}: {time.perf_counter() - t0:.1f} s", flush=True)
         cases[name] = case
     (root / "cases.json").write_text(json.dumps({"arch": arch, "cases": cases}, indent=1))
+
+
+def _cpu_twin(folder: Path, root: Path, name: str, quant: str, prompt: list[int],
+              tokens: list[int]) -> list[int]:
+    """The CPU's run of `folder` in `quant` (converted for this machine, then removed): its
+    teacher-forced logits saved beside the reference, its greedy tokens returned."""
+    from localchat.engine.build.convert import convert_model
+    from localchat.engine.runtime import Model
+
+    from model_oracle import run_greedy, run_teacher_forced
+
+    out = root / f".cpu-{name}-{quant}"
+    shutil.rmtree(out, ignore_errors=True)
+    convert_model(folder, out, quant, compile_for="cpu")
+    model = Model(out, "cpu", max_batch_size=4)
+    logits = np.stack(run_teacher_forced(model, prompt, tokens))
+    np.save(root / f"{name}-{quant}-cpu.npy", logits.astype(np.float32))
+    greedy = [int(t) for t in run_greedy(model, prompt, STEPS)]
+    del model
+    shutil.rmtree(out, ignore_errors=True)
+    return greedy
 
 
 def prepare_speed(root: Path, arch: str, gguf: Path) -> None:
@@ -163,6 +205,34 @@ def prepare_speed(root: Path, arch: str, gguf: Path) -> None:
         for shard in out.glob("params_shard_*.bin"):
             shard.unlink()  # `run` writes random ones of the same sizes there
         print(f"speed {quant}: prepared", flush=True)
+
+
+def prepare_speed_moe(root: Path, arch: str) -> None:
+    """gpt-oss-20b's shapes (`GPT_OSS_SHAPE`) at q4f32_mx (MXFP4 experts) and q4f16_1,
+    compiled for `arch`, weights removed (the random float model is built in a scratch folder
+    here and deleted)."""
+    import tempfile
+
+    import torch
+    import transformers
+
+    from localchat.engine.build.convert import convert_model
+    from localchat.engine.device import cross_compile_device
+
+    device = cross_compile_device(f"cuda:{arch}")
+    with tempfile.TemporaryDirectory(dir=root) as scratch:
+        config = transformers.GptOssConfig(**GPT_OSS_SHAPE)
+        torch.manual_seed(0)
+        model = transformers.GptOssForCausalLM(config).to(torch.bfloat16).eval()
+        model.save_pretrained(scratch)
+        del model
+        for quant in ("q4f32_mx", "q4f16_1"):
+            out = root / f"speed-gpt-oss-{quant}"
+            shutil.rmtree(out, ignore_errors=True)
+            convert_model(Path(scratch), out, quant, compile_for=device)
+            for shard in out.glob("params_shard_*.bin"):
+                shard.unlink()  # `run` writes random ones of the same sizes there
+            print(f"speed gpt-oss {quant}: prepared", flush=True)
 
 
 def _check(model_dir: Path, case: dict[str, Any], reference: np.ndarray, quant: str,
@@ -208,7 +278,12 @@ def _check(model_dir: Path, case: dict[str, Any], reference: np.ndarray, quant: 
         tok = int(np.argmax(model.decode([seq], [tok])[0]))
     step_ms = (time.perf_counter() - t0) / 32 * 1e3
     model.remove(seq)
-    return {"top1": top1, "rel_err": err, "greedy_equal": greedy == tokens,
+    twin = {}
+    cpu_file = model_dir.parent / f"{model_dir.name.rsplit('-', 1)[0]}-{quant}-cpu.npy"
+    if quant in case.get("cpu_tokens", {}) and cpu_file.exists():
+        twin = {"cpu_rel_err": rel_err(ours, np.load(cpu_file)),
+                "cpu_greedy_equal": greedy == case["cpu_tokens"][quant]}
+    return {**twin, "top1": top1, "rel_err": err, "greedy_equal": greedy == tokens,
             "greedy_prefix": next((i for i, (a, b) in enumerate(zip(greedy, tokens)) if a != b),
                                   len(tokens)),
             "batched_vs_alone": batched, "decode_ms": step_ms,
@@ -217,12 +292,16 @@ def _check(model_dir: Path, case: dict[str, Any], reference: np.ndarray, quant: 
 
 def _random_weights(model_dir: Path) -> int:
     """Random weights in place of the removed shards, record by record (floats small and
-    finite, packed integers any bits); the bytes a decode step reads (all but the embedding)."""
+    finite, MXFP4 exponents near 1, packed integers any bits); the bytes a decode step reads
+    (all but the embedding; of a MoE's experts, the chosen ones' share)."""
     rng = np.random.default_rng(0)
     shards = json.loads((model_dir / "tensor-cache.json").read_text())["records"]
+    cfg = json.loads((model_dir / "localchat-config.json").read_text())["model_config"]
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    active = int(cfg.get("num_experts_per_tok") or 0) / experts if experts else 1.0
     # a tied head reads the whole embedding each step; an untied one reads a row of it
     untied = any(r["name"].startswith("lm_head.") for sh in shards for r in sh["records"])
-    read = 0
+    read = 0.0
     for shard in shards:
         buf = bytearray(int(shard["nbytes"]))
         for rec in shard["records"]:
@@ -230,13 +309,15 @@ def _random_weights(model_dir: Path) -> int:
             if dtype.startswith("float"):
                 vals = rng.standard_normal(n // np.dtype(dtype).itemsize) * 0.02
                 data = vals.astype(dtype).tobytes()
+            elif dtype == "uint8" and rec["name"].endswith("scale"):  # E8M0: 2^-8 .. 2^0
+                data = rng.integers(119, 128, n, dtype=np.uint8).tobytes()
             else:
                 data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
             buf[off:off + n] = data
             if not (untied and rec["name"].startswith("model.embed_tokens.")):
-                read += n
+                read += n * (active if ".experts." in rec["name"] else 1.0)
         (model_dir / shard["dataPath"]).write_bytes(bytes(buf))
-    return read
+    return int(read)
 
 
 def _copy_bandwidth() -> float:
@@ -294,11 +375,12 @@ def run_speed(root: Path) -> list[dict[str, Any]]:
     rows = []
     bandwidth = _copy_bandwidth()
     print(f"\nGPU copy bandwidth: {bandwidth:.0f} GB/s (read + written)", flush=True)
-    prompt = [int(t) for t in np.random.RandomState(3).randint(3, 40000, SPEED_PROMPT)]
-    for quant in SPEED_QUANTS:
-        folder = root / f"speed-{quant}"
-        if not folder.is_dir():
-            continue
+    for folder in sorted(root.glob("speed-*")):
+        quant = folder.name.removeprefix("speed-")
+        vocab = json.loads((folder / "localchat-config.json").read_text())["model_config"][
+            "vocab_size"]
+        prompt = [int(t) for t in
+                  np.random.RandomState(3).randint(3, min(vocab, 40000), SPEED_PROMPT)]
         read = _random_weights(folder)
         model = Model(folder, "cuda", max_batch_size=4, max_total_tokens=4096)
         seq = model.new_sequence()
@@ -319,7 +401,7 @@ def run_speed(root: Path) -> list[dict[str, Any]]:
         row = {"quant": quant, "weight_mb": read / 1e6, "prefill": prefill, "decode": decode,
                "roofline": decode * read / 1e9 / (bandwidth / 2)}
         rows.append(row)
-        print(f"{quant:<8} {read / 1e6:8.0f} MB/token  prefill {prefill:8.1f} tok/s  decode "
+        print(f"{quant:<16} {read / 1e6:8.0f} MB/token  prefill {prefill:8.1f} tok/s  decode "
               f"{decode:7.1f} tok/s  {row['roofline']:.0%} of the read roofline", flush=True)
         del model
     return rows
@@ -351,13 +433,20 @@ def _check_case(root: Path, name: str, case: dict[str, Any]
         exact = quant == "q0f32"
         ok = (r["greedy_equal"] and r["rel_err"] < 1e-3 if exact else True) \
             and max(r["batched_vs_alone"], r["forked_vs_alone"]) < (1e-3 if exact else 2e-2)
+        # a mode held against the CPU's run of the same weights: the same tokens, and logits as
+        # close as the CPU's VNNI kernels allow (they round activations to 8 bits: ~1e-2)
+        if "cpu_rel_err" in r:
+            ok = ok and r["cpu_greedy_equal"] and r["cpu_rel_err"] < 5e-2
         failed += not ok
         rows.append({"model": name, "quant": quant, **r, "ok": ok})
         greedy = "equal" if r["greedy_equal"] else f"to {r['greedy_prefix']}"
         lines.append(f"{name:<11} {quant:<8} {r['top1']:6.0%} {r['rel_err']:8.1e} {greedy:>10} "
                      f"{r['batched_vs_alone']:8.1e} {r['decode_ms']:8.2f}  "
                      f"{'ok' if ok else 'FAIL'}  (token by token: {r['stepwise_top1']:.0%}, "
-                     f"{r['stepwise_rel_err']:.1e}; forked: {r['forked_vs_alone']:.1e})")
+                     f"{r['stepwise_rel_err']:.1e}; forked: {r['forked_vs_alone']:.1e}"
+                     + (f"; CPU twin: {r['cpu_rel_err']:.1e}, greedy "
+                        f"{'equal' if r['cpu_greedy_equal'] else 'DIFFERS'}"
+                        if "cpu_rel_err" in r else "") + ")")
     return rows, lines, failed
 
 
@@ -409,6 +498,7 @@ def main() -> int:
     a.add_argument("--only", nargs="*", default=None)
     a.add_argument("--speed", type=Path, default=None, help="an F16 .gguf of the large shape")
     a.add_argument("--speed-only", action="store_true")
+    a.add_argument("--speed-moe", action="store_true", help="gpt-oss-20b's shapes at q4f32_mx")
     a.add_argument("--quants", nargs="*", default=list(QUANTS))
     b = sub.add_parser("run")
     b.add_argument("root", type=Path)
@@ -421,6 +511,8 @@ def main() -> int:
             prepare(args.root, args.arch, args.only, tuple(args.quants))
         if args.speed:
             prepare_speed(args.root, args.arch, args.speed)
+        if args.speed_moe:
+            prepare_speed_moe(args.root, args.arch)
         return 0
     return run(args.root, args.json, args.only, args.jobs)
 

@@ -261,9 +261,10 @@ def test_q4f32_mx_holds_an_mxfp4_checkpoints_experts_exactly() -> None:
     assert np.isfinite(ours.prefill(seq, PROMPT)).all()
 
 
-def test_convert_defaults_an_mxfp4_checkpoint_to_q4f32_mx(tmp_path: Path) -> None:
-    """`localchat convert` of OpenAI's MXFP4 layout (no --quant) on the CPU picks q4f32_mx and
-    says why."""
+@pytest.mark.parametrize("device", ["cpu", "cuda:sm_90"])
+def test_convert_defaults_an_mxfp4_checkpoint_to_q4f32_mx(tmp_path: Path, device: str) -> None:
+    """`localchat convert` of OpenAI's MXFP4 layout (no --quant), for the CPU or a GPU, picks
+    q4f32_mx and says why."""
     import subprocess
     import sys
 
@@ -274,7 +275,7 @@ def test_convert_defaults_an_mxfp4_checkpoint_to_q4f32_mx(tmp_path: Path) -> Non
 
     (folder / "tokenizer.json").write_bytes(tiny_tokenizer_json())
     proc = subprocess.run([sys.executable, "-m", "localchat.cli", "convert", str(folder), "-o",
-                           str(tmp_path / "out"), "--device", "cpu", "--no-compile"],
+                           str(tmp_path / "out"), "--device", device, "--no-compile"],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "q4f32_mx: it holds the MXFP4 experts exactly" in proc.stderr + proc.stdout

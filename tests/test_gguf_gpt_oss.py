@@ -265,13 +265,17 @@ def test_gpt4o_pre_tokenizer_splits_as_o200k() -> None:
 
 
 def test_mxfp4_gguf_defaults_to_q4f32_mx_which_holds_its_experts(tmp_path: Path) -> None:
-    """A GGUF with MXFP4 experts (llama.cpp's MXFP4_MOE files) converts by default (CPU) to
-    q4f32_mx, whose quantizer gives back the very MXFP4 values of its experts."""
+    """A GGUF with MXFP4 experts (llama.cpp's MXFP4_MOE files) converts by default, for the CPU
+    and for a GPU alike, to q4f32_mx, whose quantizer gives back the very MXFP4 values of its
+    experts."""
+    from localchat.engine import build
     from localchat.engine.build.quantization import dequantize_mx, quantize_mx
 
     path, held = write_gguf(tmp_path / "m.gguf")
     assert "MXFP4" in lg.matrix_types(lg.read_gguf(path))
     assert lg.exact_quantization(path) == "q4f32_mx"
+    assert build.gguf_default_quantization(path, "cpu") == "q4f32_mx"
+    assert build.gguf_default_quantization(path, "gpu") == "q4f32_mx"
     for name, value in held.items():
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             rows = np.ascontiguousarray(value.transpose(0, 2, 1)).reshape(-1, value.shape[1])

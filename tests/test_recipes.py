@@ -69,9 +69,11 @@ def test_every_recipe_file_validates(path: Path) -> None:
     assert recipe.name == path.stem
     # Qwen3-Embedding's model_type is qwen3: an embedding recipe is also told by its raw template
     embedding = recipe.architecture in EMBEDDING_ARCHITECTURES or recipe.template == "raw"
-    assert recipe.default_quantization("gpu") == ("q0f16" if embedding else "q4f16_1")
-    # gpt-oss keeps OpenAI's MXFP4 experts as they are on the CPU
-    cpu = "q0f32" if embedding else "q4f32_mx" if recipe.architecture == "gpt_oss" else "q4f32_1"
+    # gpt-oss keeps OpenAI's MXFP4 experts as they are, on either kind of device
+    mx = recipe.architecture == "gpt_oss"
+    assert recipe.default_quantization("gpu") == ("q0f16" if embedding else "q4f32_mx" if mx
+                                                  else "q4f16_1")
+    cpu = "q0f32" if embedding else "q4f32_mx" if mx else "q4f32_1"
     assert recipe.default_quantization("cpu") == cpu
 
 

@@ -19,9 +19,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quant", default=None,
                    help="q0f32, q0f16, q4f32_1, q4f16_1, q4f32_asym, q4f16_asym, q4f32_0, "
                    "q4f16_0, q4f32_k, q8f32_0, q8f16_0 or q4f32_mx (MoE models: MXFP4 experts) "
-                   "(default: q4f32_1; on the CPU, for a .gguf of Q4_1, Q4_0, Q4_K(_M), Q8_0 or "
-                   "MXFP4 experts, or a folder of MXFP4 experts, q4f32_asym, q4f32_0, q4f32_k, "
-                   "q8f32_0 or q4f32_mx, which hold its blocks exactly)")
+                   "(default: q4f32_1; on the CPU, for a .gguf of Q4_1, Q4_0, Q4_K(_M) or Q8_0, "
+                   "q4f32_asym, q4f32_0, q4f32_k or q8f32_0, which hold its blocks exactly; "
+                   "for MXFP4 experts, a .gguf or a folder, q4f32_mx on any device)")
     p.add_argument("--output", "-o", required=True, help="model directory to create")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, metal or vulkan; "
                    "cuda:sm_90 (any sm_NN) compiles for a GPU on another machine, to copy the "
@@ -68,7 +68,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     else:
         hf = read_hf_config(source)  # a folder that is no model fails on that first
         method = (hf.get("quantization_config") or {}).get("quant_method")
-        if quant is None and method == "mxfp4" and device_kind() == "cpu":
+        if quant is None and method == "mxfp4":
             quant = "q4f32_mx"  # OpenAI's MXFP4 experts (gpt-oss), held as they are
         if not has_tokenizer(source):
             raise LocalchatError(f"{source} has no tokenizer (tokenizer.json, tokenizer.model "

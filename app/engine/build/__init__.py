@@ -39,19 +39,19 @@ def gguf_weights_dtype(quantization: str) -> str:
 
 
 def gguf_default_quantization(path: Path, device_kind: str) -> str | None:
-    """The quantization a .gguf file gets when none is asked for, if the file decides it: on
-    the CPU, the mode that holds its weights exactly (`gguf.exact_quantization`: q4f32_asym for
-    a Q4_1 file, q4f32_0 for a Q4_0 one). None: the usual default applies (also for a file that
-    cannot be read; the import reports that)."""
-    if device_kind != "cpu":
-        return None
+    """The quantization a .gguf file gets when none is asked for, if the file decides it: the
+    mode that holds its weights exactly (`gguf.exact_quantization`: q4f32_asym for a Q4_1 file,
+    q4f32_0 for a Q4_0 one), on the CPU; on a GPU only q4f32_mx (MXFP4 experts, decoded inline
+    there too). None: the usual default applies (also for a file that cannot be read; the
+    import reports that)."""
     from localchat.engine.build.gguf import exact_quantization
     from localchat.errors import LocalchatError
 
     try:
-        return exact_quantization(path)
+        exact = exact_quantization(path)
     except LocalchatError:
         return None
+    return exact if device_kind == "cpu" or exact == "q4f32_mx" else None
 
 
 def is_gguf(source: Path) -> bool:

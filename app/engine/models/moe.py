@@ -11,7 +11,8 @@ out): `experts.gate_up_proj` [E * 2F, H] (per expert its gate rows, then its up 
 dense block's fused gate/up) and `experts.down_proj` [E * H, F]; held by `Linear`s (whose
 forward is not used), so the converter quantizes them as any other Linear weight. On the CPU
 the layer runs `kernels.moe` (router top-k, the grouped GEMV over the selected experts, the
-weighted sum); GPU targets are refused for now.
+weighted sum); on a GPU `kernels.moe.router_topk_gpu` and `layers.expert_linear_gpu` (one
+gathered reduction over the selected experts per projection).
 
 The decoder block picks this MLP per layer through `LlamaForCausalLM.make_mlp` (`MoeConfig.
 moe_layers`: 1 for a MoE layer, 0 for a dense one, as Qwen3-MoE's `mlp_only_layers` and
