@@ -10,6 +10,8 @@
 #   bash bench/gpu_bundle.sh run [CHECK]    there, from a copy of the repository holding .gpu:
 #       unpacks a runtime-only TVM for that machine's python3 and runs the check with it
 #       (JOBS, ONLY, CHECK_TIMEOUT and OUT from the environment; the log and JSON go to $OUT)
+#   bash bench/gpu_bundle.sh amx [CHECK]    the same for `bench/amx_check.py` (prefill on Intel
+#       AMX: the CPU of an AMX machine), at 2 threads and at all of them
 #
 # .gpu/ is ignored by git: it is what a run carries, about 25 MB with the 1B-shape speed models'
 # libraries (their weights are written there at random).
@@ -30,7 +32,7 @@ pack)
     tar -C .gpu -cf - "$check" | xz -T0 -6 > ".gpu/$check.tar.xz"
     du -sh .gpu/tvm.tar.xz .gpu/whl ".gpu/$check.tar.xz"
     ;;
-run)
+run|amx)
     mkdir -p /tmp/site /tmp/pkg /tmp/chk /tmp/home "${OUT:=/tmp/out}"
     tar -C /tmp/site -xJf .gpu/tvm.tar.xz
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl
@@ -40,6 +42,16 @@ run)
     # TVM's CUDA runtime needs libcudart; the CUDA source in the libraries needs NVRTC or nvcc
     export PATH=/usr/local/cuda/bin:$PATH
     export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+    if [ "$what" = amx ]; then
+        lscpu | grep "Model name"
+        status=0
+        for threads in 2 "$(nproc)"; do
+            LOCALCHAT_NUM_THREADS=$threads timeout "${CHECK_TIMEOUT:-300}" \
+                python3 bench/amx_check.py run "/tmp/chk/$check" 2>&1 | tee -a "$OUT/amx_check.log"
+            [ "${PIPESTATUS[0]}" = 0 ] || status=1
+        done
+        exit $status
+    fi
     nvidia-smi -L
     timeout "${CHECK_TIMEOUT:-420}" python3 bench/gpu_check.py run "/tmp/chk/$check" \
         ${ONLY:+--only $ONLY} --jobs "${JOBS:-1}" --json "$OUT/gpu_check.json" 2>&1 |
@@ -47,7 +59,7 @@ run)
     exit "${PIPESTATUS[0]}"
     ;;
 *)
-    echo "usage: bash bench/gpu_bundle.sh pack|run [CHECK]" >&2
+    echo "usage: bash bench/gpu_bundle.sh pack|run|amx [CHECK]" >&2
     exit 2
     ;;
 esac

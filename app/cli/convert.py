@@ -25,7 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output", "-o", required=True, help="model directory to create")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, metal or vulkan; "
                    "cuda:sm_90 (any sm_NN) compiles for a GPU on another machine, to copy the "
-                   "directory there")
+                   "directory there, cpu:sapphirerapids (an LLVM CPU name) for another "
+                   "machine's x86-64 CPU")
     p.add_argument("--context-window", type=int, default=None)
     p.add_argument("--prefill-chunk-size", type=int, default=None)
     p.add_argument("--no-compile", action="store_true", help="convert only; compile on first run")

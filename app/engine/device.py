@@ -10,6 +10,7 @@ from pathlib import Path
 import tvm
 from tvm.target import Target
 
+from localchat.engine.amx import request_amx
 from localchat.errors import DeviceError
 
 DEVICE_KINDS = ("cuda", "metal", "vulkan", "cpu")
@@ -47,6 +48,9 @@ _CPUINFO_FLAGS = {
 }
 
 
+_AMX_FEATURES = ("amx-tile", "amx-int8", "amx-bf16")
+
+
 def _os_cpu_flags() -> set[str] | None:
     """The flags of /proc/cpuinfo's first processor (None where there is no such file)."""
     try:
@@ -79,7 +83,11 @@ def cpu_target(num_cores: int | None = None) -> Target:
     spec: dict[str, object] = {
         "kind": "llvm", "mcpu": mcpu, "num-cores": num_cores or os.cpu_count() or 1
     }
-    hidden = hidden_cpu_features(mcpu, _os_cpu_flags())
+    flags = _os_cpu_flags()
+    hidden = hidden_cpu_features(mcpu, flags)
+    if flags and "amx_tile" in flags and not request_amx():
+        # AMX's tiles are a process's only once Linux grants them (`amx.request_amx`)
+        hidden += [f for f in _AMX_FEATURES if f not in hidden]
     if hidden:
         spec["mattr"] = [f"-{feature}" for feature in hidden]
     return Target(spec)
@@ -235,13 +243,24 @@ def runtime_target_key(kind: str) -> str:
 
 def cross_compile_device(spec: str) -> Device | None:
     """`cuda:sm_90` -> a device to compile for without one being present (its library is
-    copied to the machine that has it); None for a spec without an architecture."""
+    copied to the machine that has it); `cpu:sapphirerapids` (an LLVM CPU name) likewise for
+    another machine's x86-64 CPU; None for a spec without an architecture."""
     kind, _, arch = spec.partition(":")
     if not arch:
         return None
+    if kind == "cpu" and re.fullmatch(r"[a-z][a-z0-9_-]*", arch):
+        from tvm.target import codegen
+
+        triple = Target({"kind": "llvm", "mtriple": "x86_64-pc-linux-gnu"})
+        if arch not in set(codegen.llvm_get_cpu_archlist(triple)):
+            raise DeviceError(f"cannot compile for {spec!r}: LLVM knows no x86-64 CPU {arch!r} "
+                              f"(e.g. cpu:sapphirerapids, cpu:znver4)")
+        return Device("cpu", Target({"kind": "llvm", "mtriple": "x86_64-pc-linux-gnu",
+                                     "mcpu": arch}))
     if kind != "cuda" or not re.fullmatch(r"sm_\d+[a-z]?", arch):
         raise DeviceError(f"cannot compile for {spec!r}: name a CUDA architecture such as "
-                          f"cuda:sm_80 or cuda:sm_90")
+                          f"cuda:sm_80 or cuda:sm_90, or an x86-64 CPU such as "
+                          f"cpu:sapphirerapids")
     if not backend_supported("cuda"):
         raise DeviceError("this TVM build has no cuda support")
     return Device("cuda", cuda_target(arch, host=portable_cpu_target()))

@@ -22,6 +22,7 @@ from tvm.runtime import ShapeTuple
 from tvm.runtime.vm import VirtualMachine
 
 from localchat import model_dir as md
+from localchat.engine.amx import request_amx
 from localchat.engine.build.compile import (
     CompiledLibrary,
     model_library,
@@ -143,6 +144,8 @@ class Model:
         ) if self.device.target is not None else prebuilt_library(
             model_dir, runtime_target_key(self.device.kind), log=log)
         t1 = time.perf_counter()
+        if self.device.kind == "cpu":
+            request_amx()  # a library with AMX kernels needs the tiles before its first call
         try:
             with quiet_native_output():
                 module = tvm.runtime.load_module(str(self.library.path))

@@ -51,6 +51,7 @@ __all__ = [
     "group_params_vec",
     "has_avx2",
     "has_avx512",
+    "has_amx",
     "has_avx512_vnni",
     "int8_activations",
     "lane_tree",
@@ -299,6 +300,12 @@ def has_avx512(target: Target) -> bool:
 def has_avx512_vnni(target: Target) -> bool:
     """Whether `target` is an llvm CPU target with AVX-512F and AVX-512 VNNI (the int8 GEMV)."""
     return _has_features(target, ["avx512f", "avx512vnni", "avx512vl"])
+
+
+def has_amx(target: Target) -> bool:
+    """Whether `target` is an llvm CPU target with Intel AMX's int8 tiles (prefill's
+    `gemm_amx`)."""
+    return _has_features(target, ["amx-tile", "amx-int8", "avx512f"])
 
 
 def gemv_isa(target: Target) -> bool | str:

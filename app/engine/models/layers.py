@@ -47,13 +47,14 @@ from localchat.engine.build.quantization import (
     QuantMode,
     padded_k,
 )
-from localchat.engine.kernels import elementwise, gemv_q6, matmul
+from localchat.engine.kernels import elementwise, gemm_amx, gemv_q6, matmul
 from localchat.engine.kernels import gemv as gemv_kernels
 from localchat.engine.kernels.common import (
     asym_layout,
     f16_bytes,
     gemv_isa,
     group_param,
+    has_amx,
     wide_registers,
 )
 from localchat.engine.kernels.gemm import NR as PANEL_WIDTH
@@ -73,11 +74,13 @@ class BuildContext:
     target: Target
     target_kind: str = field(init=False)
     isa: bool | str = field(init=False)  # `kernels.common.gemv_isa`: "vnni", True, "avx2", False
+    amx: bool = field(init=False)  # Intel AMX (`kernels.common.has_amx`): prefill's 4-bit matmul
 
     def __post_init__(self) -> None:
         kind = self.target.kind.name
         object.__setattr__(self, "target_kind", kind)
         object.__setattr__(self, "isa", gemv_isa(self.target) if kind == "llvm" else False)
+        object.__setattr__(self, "amx", kind == "llvm" and has_amx(self.target))
 
     @property
     def dtype(self) -> str:
@@ -205,6 +208,7 @@ class Linear(nn.Module):
         mode = self.mode = ctx.mode
         self.target_kind = ctx.target_kind
         self.avx512 = ctx.isa
+        self.amx = ctx.amx
         self.panels = panels and ctx.cpu and not mode.quantized
         if mode.quantized:
             self.weight, self.scale = _quantized_params(out_features, in_features, mode, head,
@@ -223,7 +227,8 @@ class Linear(nn.Module):
             return _linear_panels(x, self.weight, self.bias, self.out_features,
                                   wide_registers(self.avx512))
         return linear(
-            x, self.weight, self.scale, self.bias, self.mode, self.target_kind, self.avx512, gemv
+            x, self.weight, self.scale, self.bias, self.mode, self.target_kind, self.avx512, gemv,
+            self.amx,
         )
 
 
@@ -252,10 +257,12 @@ def linear(
     target_kind: str,
     avx512: bool | str = False,
     gemv: bool = False,
+    amx: bool = False,
 ) -> nn.Tensor:
     """x [..., K] times weight [N, K]^T, dispatching on target and quantization; on the CPU
-    with `gemv` in the decode GEMV (`avx512`: `kernels.common.gemv_isa` of the llvm target). An
-    int8 weight is 8-bit (the asymmetric modes' head); other 4-bit weights follow the mode."""
+    with `gemv` in the decode GEMV (`avx512`: `kernels.common.gemv_isa` of the llvm target), else
+    (prefill) a symmetric 4-bit weight on Intel AMX where the target has it (`amx`). An int8
+    weight is 8-bit (the asymmetric modes' head); other 4-bit weights follow the mode."""
     n = weight.shape[0]
     k = x.shape[-1]
     lead = list(x.shape[:-1])
@@ -280,6 +287,10 @@ def linear(
                                         sdt)
         elif gemv and bias is None:
             func = gemv_kernels.gemv_f(int(k), int(n), mode.dtype)
+        elif amx and mode.quantized and not asym and not gemv:
+            # prefill on AMX tiles (1.1-2.8x the VNNI GEMV's rows at 128-451 rows, Sapphire
+            # Rapids, 2 threads); a row's bits differ from decode's GEMV, never with the batch
+            func = gemm_amx.gemm_q4_amx(int(k), int(n), mode.dtype, bias is not None, sdt)
         elif mode.quantized and avx512 in gemv_kernels.INT8_ISAS:
             # prefill too: with int8 x the GEMV's row blocks beat the float blocked kernel at
             # 128 rows (VNNI 2-2.5x; AVX2 1.1-1.6x, Zen 4), and a row's bits still do not
