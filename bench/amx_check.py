@@ -10,7 +10,8 @@ VNNI GEMV's rows for prefill), then run there on a runtime-only TVM.
 transformers (top-1, largest error relative to the largest logit), its whole-sequence prefill
 against the VNNI library's and against its own token-by-token run, and whether its greedy
 tokens equal the VNNI library's; then the 1B shape's prefill (451 tokens) and decode rates for
-both libraries on random weights, at the thread count the environment gives.
+both libraries on random weights (q4f32_1 and q4f32_k), at the thread count the environment
+gives.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from gpu_check import STEPS, _hf_reference, _prompt, _random_weights  # noqa: E4
 
 CPUS = {"amx": "sapphirerapids", "vnni": "icelake-server"}
 CASES = {"llama": "llama-odd", "qwen2": "qwen2-odd"}  # qwen2: q/k/v biases
-QUANTS = ("q4f32_1", "q4f32_0")
+QUANTS = ("q4f32_1", "q4f32_0", "q4f32_asym", "q4f32_k")  # every 4-bit layout AMX runs
+SPEED_QUANTS = ("q4f32_1", "q4f32_k")
 SPEED_PROMPT, SPEED_STEPS = 451, 32
 
 
@@ -61,14 +63,15 @@ def prepare(root: Path, gguf: Path | None) -> None:
         print(f"{name}: prepared", flush=True)
     (root / "cases.json").write_text(json.dumps(cases))
     if gguf is not None:
-        for kind, cpu in CPUS.items():
-            out = root / f"speed-{kind}"
-            shutil.rmtree(out, ignore_errors=True)
-            convert_source(gguf, out, "q4f32_1", scratch_dir=root,
-                           compile_for=cross_compile_device(f"cpu:{cpu}"))
-            for shard in out.glob("params_shard_*.bin"):
-                shard.unlink()  # `run` writes random ones of the same sizes there
-            print(f"speed {kind}: prepared", flush=True)
+        for quant in SPEED_QUANTS:
+            for kind, cpu in CPUS.items():
+                out = root / f"speed-{quant}-{kind}"
+                shutil.rmtree(out, ignore_errors=True)
+                convert_source(gguf, out, quant, scratch_dir=root,
+                               compile_for=cross_compile_device(f"cpu:{cpu}"))
+                for shard in out.glob("params_shard_*.bin"):
+                    shard.unlink()  # `run` writes random ones of the same sizes there
+                print(f"speed {quant} {kind}: prepared", flush=True)
 
 
 def _whole(model: Any, ids: list[int]) -> np.ndarray:
@@ -110,33 +113,35 @@ def run(root: Path) -> int:
                   f"prefill vs VNNI {versus_vnni:.1e}  vs token by token {versus_steps:.1e}  "
                   f"greedy {'equal' if same else 'DIFFERS'}  {'ok' if ok else 'FAIL'}",
                   flush=True)
-    rates = {}
-    for kind in CPUS:
-        folder = root / f"speed-{kind}"
-        if not folder.is_dir():
-            continue
-        read = _random_weights(folder)
-        model = Model(folder, "cpu", max_batch_size=1, max_total_tokens=1024)
-        prompt = [int(t) for t in np.random.RandomState(3).randint(3, 40000, SPEED_PROMPT)]
-        _whole(model, prompt[:64])  # warm
-        best = {"prefill": 0.0, "decode": 0.0}
-        for _ in range(2):
-            seq = model.new_sequence()
-            t0 = time.perf_counter()
-            tok = int(np.argmax(model.prefill(seq, prompt)))
-            best["prefill"] = max(best["prefill"], SPEED_PROMPT / (time.perf_counter() - t0))
-            t0 = time.perf_counter()
-            for _ in range(SPEED_STEPS):
-                tok = int(np.argmax(model.decode([seq], [tok])[0]))
-            best["decode"] = max(best["decode"], SPEED_STEPS / (time.perf_counter() - t0))
-            model.remove(seq)
-        rates[kind] = best
-        print(f"1B q4f32_1 {kind:<5} ({CPUS[kind]}): {read / 1e6:5.0f} MB/token  prefill "
-              f"{best['prefill']:7.1f} tok/s  decode {best['decode']:6.1f} tok/s", flush=True)
-        del model
-    if len(rates) == 2:
-        print(f"AMX / VNNI: prefill {rates['amx']['prefill'] / rates['vnni']['prefill']:.2f}x, "
-              f"decode {rates['amx']['decode'] / rates['vnni']['decode']:.2f}x", flush=True)
+    for quant in SPEED_QUANTS:
+        rates = {}
+        for kind in CPUS:
+            folder = root / f"speed-{quant}-{kind}"
+            if not folder.is_dir():
+                continue
+            read = _random_weights(folder)
+            model = Model(folder, "cpu", max_batch_size=1, max_total_tokens=1024)
+            prompt = [int(t) for t in np.random.RandomState(3).randint(3, 40000, SPEED_PROMPT)]
+            _whole(model, prompt[:64])  # warm
+            best = {"prefill": 0.0, "decode": 0.0}
+            for _ in range(2):
+                seq = model.new_sequence()
+                t0 = time.perf_counter()
+                tok = int(np.argmax(model.prefill(seq, prompt)))
+                best["prefill"] = max(best["prefill"], SPEED_PROMPT / (time.perf_counter() - t0))
+                t0 = time.perf_counter()
+                for _ in range(SPEED_STEPS):
+                    tok = int(np.argmax(model.decode([seq], [tok])[0]))
+                best["decode"] = max(best["decode"], SPEED_STEPS / (time.perf_counter() - t0))
+                model.remove(seq)
+            rates[kind] = best
+            print(f"1B {quant:<8} {kind:<5} ({CPUS[kind]}): {read / 1e6:5.0f} MB/token  prefill "
+                  f"{best['prefill']:7.1f} tok/s  decode {best['decode']:6.1f} tok/s", flush=True)
+            del model
+        if len(rates) == 2:
+            print(f"1B {quant} AMX / VNNI: prefill "
+                  f"{rates['amx']['prefill'] / rates['vnni']['prefill']:.2f}x, decode "
+                  f"{rates['amx']['decode'] / rates['vnni']['decode']:.2f}x", flush=True)
     print(f"{failed} failed", flush=True)
     return 1 if failed else 0
 

@@ -11,7 +11,7 @@
 #       unpacks a runtime-only TVM for that machine's python3 and runs the check with it
 #       (JOBS, ONLY, CHECK_TIMEOUT and OUT from the environment; the log and JSON go to $OUT)
 #   bash bench/gpu_bundle.sh amx [CHECK]    the same for `bench/amx_check.py` (prefill on Intel
-#       AMX: the CPU of an AMX machine), at 2 threads and at all of them
+#       AMX: the CPU of an AMX machine), at 2 threads and at all of them (AMX_THREADS)
 #
 # .gpu/ is ignored by git: it is what a run carries, about 25 MB with the 1B-shape speed models'
 # libraries (their weights are written there at random).
@@ -45,7 +45,7 @@ run|amx)
     if [ "$what" = amx ]; then
         lscpu | grep "Model name"
         status=0
-        for threads in 2 "$(nproc)"; do
+        for threads in ${AMX_THREADS:-2 $(nproc)}; do
             LOCALCHAT_NUM_THREADS=$threads timeout "${CHECK_TIMEOUT:-300}" \
                 python3 bench/amx_check.py run "/tmp/chk/$check" 2>&1 | tee -a "$OUT/amx_check.log"
             [ "${PIPESTATUS[0]}" = 0 ] || status=1

@@ -287,10 +287,11 @@ def linear(
                                         sdt)
         elif gemv and bias is None:
             func = gemv_kernels.gemv_f(int(k), int(n), mode.dtype)
-        elif amx and mode.quantized and not asym and not gemv:
-            # prefill on AMX tiles (1.1-2.8x the VNNI GEMV's rows at 128-451 rows, Sapphire
-            # Rapids, 2 threads); a row's bits differ from decode's GEMV, never with the batch
-            func = gemm_amx.gemm_q4_amx(int(k), int(n), mode.dtype, bias is not None, sdt)
+        elif amx and mode.quantized and not gemv:
+            # prefill on AMX tiles, every 4-bit layout (1.1-2.8x the VNNI GEMV's rows at
+            # 128-451 rows, Sapphire Rapids, 2 threads); a row's bits differ from decode's
+            # GEMV, never with the batch
+            func = gemm_amx.gemm_q4_amx(int(k), int(n), mode.dtype, bias is not None, asym, sdt)
         elif mode.quantized and avx512 in gemv_kernels.INT8_ISAS:
             # prefill too: with int8 x the GEMV's row blocks beat the float blocked kernel at
             # 128 rows (VNNI 2-2.5x; AVX2 1.1-1.6x, Zen 4), and a row's bits still do not
