@@ -163,23 +163,23 @@ def gemm_q4_amx_macro(k: int, n: int, dtype: str, bias: bool, asym=False):
     (c0, a0, b0), (c1, a1, b1) = TILE_SETS
 
     @T.macro
+    def shape(cfg, tile, rows, width):
+        """Tile register `tile`: `rows` rows of `width` bytes (the configuration's layout)."""
+        cfg[16 + 2 * tile] = T.uint8(width)
+        cfg[48 + tile] = T.uint8(rows)
+
+    @T.macro
     def configure(cfg):
         """Palette 1; each set's C: 16 rows x 64 bytes, A: 16 x 32, B: 8 x 64."""
         for i in range(CFG_BYTES):
             cfg[i] = T.uint8(0)
         cfg[0] = T.uint8(1)
-        cfg[16 + 2 * c0] = T.uint8(64)
-        cfg[48 + c0] = T.uint8(TILE)
-        cfg[16 + 2 * a0] = T.uint8(GROUP_SIZE)
-        cfg[48 + a0] = T.uint8(TILE)
-        cfg[16 + 2 * b0] = T.uint8(64)
-        cfg[48 + b0] = T.uint8(B_ROWS)
-        cfg[16 + 2 * c1] = T.uint8(64)
-        cfg[48 + c1] = T.uint8(TILE)
-        cfg[16 + 2 * a1] = T.uint8(GROUP_SIZE)
-        cfg[48 + a1] = T.uint8(TILE)
-        cfg[16 + 2 * b1] = T.uint8(64)
-        cfg[48 + b1] = T.uint8(B_ROWS)
+        shape(cfg, c0, TILE, 64)
+        shape(cfg, a0, TILE, GROUP_SIZE)
+        shape(cfg, b0, B_ROWS, 64)
+        shape(cfg, c1, TILE, 64)
+        shape(cfg, a1, TILE, GROUP_SIZE)
+        shape(cfg, b1, B_ROWS, 64)
         T.evaluate(_amx("ldtilecfg", T.address_of(cfg[0])))
 
     @T.macro
