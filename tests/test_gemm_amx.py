@@ -15,7 +15,7 @@ from amx_reference import LAYOUTS, reference, weights
 from localchat import model_dir as md
 from localchat.cli import main
 from localchat.engine.amx import request_amx
-from localchat.engine.device import cpu_target, cross_compile_device
+from localchat.engine.device import cpu_target, cross_compile_device, select_device
 from localchat.engine.kernels.common import has_amx
 from localchat.engine.kernels.gemm_amx import gemm_q4_amx
 from localchat.errors import DeviceError
@@ -45,6 +45,11 @@ def test_convert_compiles_amx_prefill_for_another_cpu(tmp_path: Path) -> None:
 def test_an_unknown_cpu_is_refused(spec: str) -> None:
     with pytest.raises(DeviceError, match="cannot compile for"):
         cross_compile_device(spec)
+
+
+def test_running_on_another_cpus_spec_is_refused_with_the_command_that_compiles_for_it() -> None:
+    with pytest.raises(DeviceError, match=r"convert SOURCE --device cpu:sapphirerapids"):
+        select_device("cpu:sapphirerapids")
 
 
 @pytest.mark.skipif(not has_amx(cpu_target()) or not request_amx(),

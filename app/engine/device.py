@@ -280,6 +280,11 @@ def select_device(requested: str = "auto") -> Device:
         raise DeviceError(
             f"unknown device {requested!r} (choose from auto, {', '.join(DEVICE_KINDS)})"
         )
+    if kind == "cpu" and arch:
+        # another CPU's library could use instructions this one lacks (SIGILL, no message)
+        raise DeviceError(f"{requested} names another machine's CPU: `localchat convert SOURCE "
+                          f"--device {requested} -o DIR` compiles for it; run here with "
+                          f"--device cpu")
     if not backend_supported(kind):
         raise DeviceError(f"this TVM build has no {kind} support")
     if not device_present(kind):
