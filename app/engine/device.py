@@ -48,7 +48,7 @@ _CPUINFO_FLAGS = {
 }
 
 
-_AMX_FEATURES = ("amx-tile", "amx-int8", "amx-bf16")
+_AMX_FEATURES = [feature for feature in _CPUINFO_FLAGS if feature.startswith("amx-")]
 
 
 def _os_cpu_flags() -> set[str] | None:

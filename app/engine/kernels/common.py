@@ -61,6 +61,7 @@ __all__ = [
     "transpose_x",
     "vec_width",
     "wide_registers",
+    "x_group",
 ]
 
 WORDS_PER_GROUP = GROUP_SIZE // NIBBLES_PER_WORD  # 4 uint32 words hold one group of 32 nibbles
@@ -324,6 +325,20 @@ def wide_registers(isa: bool | str) -> bool:
     """Whether a `gemv_isa` value means AVX-512 (32 vector registers: `gemm`'s wide
     micro-kernel)."""
     return isa is True or isa == "vnni"
+
+
+def x_group(x, r, g, k: int, masked: bool):
+    """The 32 values of group g of row r of x [m, k] as float32x32; with `masked` (a group
+    reaching past k) zeros past k, read without going past the row."""
+    idx = T.Ramp(g * GROUP_SIZE, 1, GROUP_SIZE)
+    v32 = f"float32x{GROUP_SIZE}"
+    if not masked:
+        return T.Cast(v32, x[r, idx])
+    return T.Select(
+        idx < T.Broadcast(k, GROUP_SIZE),
+        T.Cast(v32, x[r, T.min(idx, T.Broadcast(k - 1, GROUP_SIZE))]),
+        T.Broadcast(T.float32(0), GROUP_SIZE),
+    )
 
 
 def add(a, b):

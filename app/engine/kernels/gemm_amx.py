@@ -50,6 +50,7 @@ from localchat.engine.kernels.common import (
     group_param,
     lane_tree,
     padded_k,
+    x_group,
 )
 
 F32 = "float32"
@@ -90,14 +91,7 @@ def gemm_q4_amx_macro(k: int, n: int, dtype: str, bias: bool, asym=False):
     v = f"{F32}x{LANES}"
 
     def xgroup(x, r, g, masked: bool):
-        idx = T.Ramp(g * GROUP_SIZE, 1, GROUP_SIZE)
-        if not masked:
-            return T.Cast(f"{F32}x{GROUP_SIZE}", x[r, idx])
-        return T.Select(
-            idx < T.Broadcast(k, GROUP_SIZE),
-            T.Cast(f"{F32}x{GROUP_SIZE}", x[r, T.min(idx, T.Broadcast(k - 1, GROUP_SIZE))]),
-            T.Broadcast(T.float32(0), GROUP_SIZE),
-        )
+        return x_group(x, r, g, k, masked)
 
     kfull = k // GROUP_SIZE  # groups wholly inside x
 

@@ -82,6 +82,7 @@ from localchat.engine.kernels.common import (
     rows_lane_tree,
     scheduled,
     transpose_x,
+    x_group,
 )
 
 GROUPS_PER_VEC = LANES // WORDS_PER_GROUP  # 4 groups in one vector of 16 words
@@ -515,18 +516,9 @@ def gemv_q4_vnni_macro(
     # The int8 bytes of a group in xq's order: word q = 2 j + h holds values 8 j + h + 2 b
     # (b = 0..3, byte b) of the group.
     perm = [8 * (q // 2) + q % 2 + 2 * bb for q in range(8) for bb in range(4)]
-    v32 = f"float32x{GROUP_SIZE}"
 
     def xgroup(x, r, g, masked: bool):
-        """The 32 values of group g of row r as float32x32 (zeros past k when `masked`)."""
-        idx = T.Ramp(g * GROUP_SIZE, 1, GROUP_SIZE)
-        if not masked:
-            return T.Cast(v32, x[r, idx])
-        return T.Select(
-            idx < T.Broadcast(k, GROUP_SIZE),
-            T.Cast(v32, x[r, T.min(idx, T.Broadcast(k - 1, GROUP_SIZE))]),
-            T.Broadcast(T.float32(0), GROUP_SIZE),
-        )
+        return x_group(x, r, g, k, masked)
 
     @T.macro
     def prep_group(x, xq, xs, xo, r, g, word0, groups, e, masked):
@@ -1169,18 +1161,10 @@ def gemv_q8_vnni_macro(
     g_odd = kg - 1
     wpg = GROUP_SIZE // 4  # int32 words of a group
     i32 = "int32"
-    v32 = f"float32x{GROUP_SIZE}"
     flip_x = isa != "avx2"  # vpdpbusd: x as uint8 (q + 128), started at -128 * sum(w)
 
     def xgroup(x, r, g, masked: bool):
-        idx = T.Ramp(g * GROUP_SIZE, 1, GROUP_SIZE)
-        if not masked:
-            return T.Cast(v32, x[r, idx])
-        return T.Select(
-            idx < T.Broadcast(k, GROUP_SIZE),
-            T.Cast(v32, x[r, T.min(idx, T.Broadcast(k - 1, GROUP_SIZE))]),
-            T.Broadcast(T.float32(0), GROUP_SIZE),
-        )
+        return x_group(x, r, g, k, masked)
 
     def x_words(qv):
         """A group's int8 x as 8 words, flipped to uint8 (q + 128) for vpdpbusd."""

@@ -41,7 +41,6 @@ from tvm.target import Target
 
 from localchat.engine.build import q6_k
 from localchat.engine.build.quantization import (
-    FP4_VALUES,
     GROUP_SIZE,
     NIBBLES_PER_WORD,
     QuantMode,
@@ -50,6 +49,7 @@ from localchat.engine.build.quantization import (
 from localchat.engine.kernels import elementwise, gemm_amx, gemv_q6, matmul
 from localchat.engine.kernels import gemv as gemv_kernels
 from localchat.engine.kernels.common import (
+    FP4_DOUBLED,
     asym_layout,
     f16_bytes,
     gemv_isa,
@@ -163,8 +163,8 @@ def _mx_value(words: te.Tensor, exponents: te.Tensor, row, col, dtype: str) -> t
     return (magnitude * sign * power).astype(dtype)
 
 
-# twice FP4_VALUES[c] in nibble c: 0xC8643210
-_FP4_TWICE = sum(int(2 * v) << (4 * c) for c, v in enumerate(FP4_VALUES[:8]))
+# the doubled FP4 magnitude of code c in nibble c: 0xC8643210
+_FP4_TWICE = sum(v << (4 * c) for c, v in enumerate(FP4_DOUBLED[:8]))
 
 
 def _quantized_params(
